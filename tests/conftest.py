@@ -1,0 +1,38 @@
+"""Shared test fixtures.
+
+Tiers (pytest markers): unmarked tests are the fast unit tier; ``docker`` tests need a
+running engine and the pinned image; ``cli`` tests drive a real pinned CLI. CI runs all
+of them. ``pytest -m "not docker and not cli"`` runs the unit tier alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    import docker
+
+    from deploy.engine import EngineConfig, ping
+
+    cfg = EngineConfig.from_env()
+    if not ping(cfg.socket_path):
+        pytest.fail(f"no Docker engine answers on {cfg.socket_path}: run `python -m deploy.engine` first "
+                    "(the README's test command does)")
+    client = docker.DockerClient(base_url=f"unix://{cfg.socket_path}")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def sandbox_image(docker_client) -> str:
+    """Tag of the pinned sandbox image (built if missing: the README's test command builds it first)."""
+    from images.build import ensure_image
+
+    return ensure_image()

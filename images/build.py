@@ -13,6 +13,7 @@ pin change forces a rebuild and an unchanged input set is never rebuilt.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -306,11 +307,25 @@ def verify(tag: str, pins: Pins | None = None) -> dict[str, str]:
 
 
 def ensure_image(work_dir: Path = DEFAULT_WORK_DIR, *, force: bool = False) -> str:
-    """Build the image for the current inputs unless it already exists; return its tag."""
+    """Build the image for the current inputs unless it already exists; return its tag.
+
+    Concurrent callers (test sessions, the demo) serialise on a lock file: the build
+    context is shared and rewritten in place.
+    """
     p = plan(work_dir)
     if not force and _image_exists(p.tag):
         log.info("image.ready", tag=p.tag, built=False)
         return p.tag
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with open(work_dir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and _image_exists(p.tag):
+            log.info("image.ready", tag=p.tag, built=False)
+            return p.tag
+        return _build(p)
+
+
+def _build(p: BuildPlan) -> str:
     started = time.monotonic()
     log.info("image.build", tag=p.tag, base=p.base_tag, context=str(p.context))
     build_base(p)

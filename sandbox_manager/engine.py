@@ -1,0 +1,248 @@
+"""The container engine seam (SPEC section 11).
+
+Every engine call the sandbox manager makes goes through :class:`Engine`, so a
+Kubernetes backend could replace Docker without touching the runner or the drivers.
+:class:`DockerEngine` implements it with the Docker SDK; its blocking calls run in worker
+threads so the daemon's event loop never waits on the engine.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import docker
+import docker.errors
+import structlog
+
+from sandbox_manager.exec_stream import ExecStream
+
+log = structlog.get_logger("engine")
+
+DATA_ROOT_VOLUME = "cloud-agent-dataroot-identity"
+DATA_ROOT_LABEL = "org.cloud-agent.dataroot-id"
+AGENT_UID = 1000
+
+
+class EngineError(Exception):
+    """The engine refused or failed a call."""
+
+
+class NotFound(EngineError):
+    pass
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    image: str
+    name: str
+    labels: dict[str, str]
+    network: str
+    user: str = "agent"
+    workdir: str = "/home/agent/workspace"
+    memory_bytes: int = 4 * 1024**3
+    pids_limit: int = 1024
+    nano_cpus: int = 2_000_000_000
+    command: tuple[str, ...] = ("sleep", "infinity")
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    id: str
+    name: str
+    status: str  # created | running | exited | paused ...
+    image_id: str
+    labels: dict[str, str]
+    attrs: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    id: str
+    labels: dict[str, str]
+    tags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    content: bytes
+    mode: int = 0o644
+
+
+class Engine(Protocol):
+    async def ping(self) -> bool: ...
+    async def version(self) -> dict[str, Any]: ...
+    async def data_root_identity(self, *, create: bool) -> str | None: ...
+    async def image(self, ref: str) -> ImageInfo: ...
+    async def create(self, spec: ContainerSpec) -> ContainerInfo: ...
+    async def inspect(self, container_id: str) -> ContainerInfo: ...
+    async def start(self, container_id: str) -> None: ...
+    async def stop(self, container_id: str, timeout_s: int = 5) -> None: ...
+    async def remove(self, container_id: str) -> None: ...
+    async def list_labelled(self, label: str) -> list[ContainerInfo]: ...
+    async def exec_run(self, container_id: str, argv: list[str], *, user: str = "agent",
+                       env: dict[str, str] | None = None, workdir: str | None = None) -> tuple[int, bytes]: ...
+    async def exec_attached(self, container_id: str, argv: list[str], *, user: str = "agent",
+                            env: dict[str, str] | None = None, workdir: str | None = None) -> ExecStream: ...
+    async def exec_exit_code(self, exec_id: str) -> int | None: ...
+    async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None: ...
+
+
+def _to_info(c: Any) -> ContainerInfo:
+    attrs = c.attrs
+    return ContainerInfo(id=c.id, name=c.name, status=attrs.get("State", {}).get("Status", c.status),
+                         image_id=attrs.get("Image", ""), labels=dict(attrs.get("Config", {}).get("Labels") or {}),
+                         attrs=attrs)
+
+
+def _tar(files: list[FileEntry], dirs: list[str]) -> bytes:
+    buf = io.BytesIO()
+    now = time.time()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        seen: set[str] = set()
+        for d in dirs + [f.path.rsplit("/", 1)[0] for f in files]:
+            parts = d.strip("/").split("/")
+            # every parent of a member dir below /home/agent must belong to agent
+            for i in range(3, len(parts) + 1):
+                p = "/".join(parts[:i])
+                if p in seen:
+                    continue
+                seen.add(p)
+                ti = tarfile.TarInfo(p)
+                ti.type, ti.mode, ti.uid, ti.gid, ti.mtime = tarfile.DIRTYPE, 0o755, AGENT_UID, AGENT_UID, now
+                tar.addfile(ti)
+        for f in files:
+            ti = tarfile.TarInfo(f.path.lstrip("/"))
+            ti.size, ti.mode, ti.uid, ti.gid, ti.mtime = len(f.content), f.mode, AGENT_UID, AGENT_UID, now
+            tar.addfile(ti, io.BytesIO(f.content))
+    return buf.getvalue()
+
+
+class DockerEngine:
+    """The Docker implementation of :class:`Engine`."""
+
+    def __init__(self, base_url: str = "unix:///var/run/docker.sock", timeout_s: int = 120) -> None:
+        self.base_url = base_url
+        self.client = docker.DockerClient(base_url=base_url, timeout=timeout_s)
+        self.api = self.client.api
+        # SDK calls are blocking; a bounded pool keeps a burst of turns from starving the engine.
+        self._limiter = anyio.CapacityLimiter(16)
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def run() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except docker.errors.NotFound as exc:
+                raise NotFound(str(exc)) from exc
+            except docker.errors.DockerException as exc:
+                raise EngineError(str(exc)) from exc
+
+        return await anyio.to_thread.run_sync(run, limiter=self._limiter)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._call(self.api.ping))
+        except (EngineError, OSError):
+            return False
+
+    async def version(self) -> dict[str, Any]:
+        return await self._call(self.api.version)
+
+    async def data_root_identity(self, *, create: bool) -> str | None:
+        """An id that lives inside the engine's data root (a labelled marker volume).
+
+        A different data root (or a wiped one) has no marker or another id, which is how
+        the sandbox manager tells that retained native state cannot be there.
+        """
+        try:
+            vol = await self._call(self.client.volumes.get, DATA_ROOT_VOLUME)
+            return (vol.attrs.get("Labels") or {}).get(DATA_ROOT_LABEL)
+        except NotFound:
+            if not create:
+                return None
+        ident = uuid.uuid4().hex
+        try:
+            await self._call(self.client.volumes.create, name=DATA_ROOT_VOLUME, labels={DATA_ROOT_LABEL: ident})
+        except EngineError:
+            pass  # created concurrently: read back whichever won
+        vol = await self._call(self.client.volumes.get, DATA_ROOT_VOLUME)
+        return (vol.attrs.get("Labels") or {}).get(DATA_ROOT_LABEL)
+
+    async def image(self, ref: str) -> ImageInfo:
+        img = await self._call(self.client.images.get, ref)
+        return ImageInfo(id=img.id, labels=dict(img.labels or {}), tags=tuple(img.tags))
+
+    async def create(self, spec: ContainerSpec) -> ContainerInfo:
+        c = await self._call(
+            self.client.containers.create,
+            image=spec.image, name=spec.name, command=list(spec.command), labels=spec.labels,
+            init=True,  # PID 1 reaps: killed CLIs must not pile up as zombies
+            user=spec.user, working_dir=spec.workdir, network_mode=spec.network,
+            cap_drop=["ALL"], security_opt=["no-new-privileges"], privileged=False,
+            mem_limit=spec.memory_bytes, pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
+            detach=True, tty=False, stdin_open=False,
+        )
+        c.reload()
+        return _to_info(c)
+
+    async def inspect(self, container_id: str) -> ContainerInfo:
+        return _to_info(await self._call(self.client.containers.get, container_id))
+
+    async def start(self, container_id: str) -> None:
+        await self._call(self.api.start, container_id)
+
+    async def stop(self, container_id: str, timeout_s: int = 5) -> None:
+        await self._call(self.api.stop, container_id, timeout=timeout_s)
+
+    async def remove(self, container_id: str) -> None:
+        await self._call(self.api.remove_container, container_id, force=True)
+
+    async def list_labelled(self, label: str) -> list[ContainerInfo]:
+        cs = await self._call(self.client.containers.list, all=True, filters={"label": label})
+        return [_to_info(c) for c in cs]
+
+    async def exec_run(self, container_id: str, argv: list[str], *, user: str = "agent",
+                       env: dict[str, str] | None = None, workdir: str | None = None) -> tuple[int, bytes]:
+        def run() -> tuple[int, bytes]:
+            ex = self.api.exec_create(container_id, argv, stdout=True, stderr=True, user=user,
+                                      environment=env, workdir=workdir)
+            out = self.api.exec_start(ex["Id"])
+            code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
+            return (code if code is not None else -1), out
+
+        return await self._call(run)
+
+    async def exec_attached(self, container_id: str, argv: list[str], *, user: str = "agent",
+                            env: dict[str, str] | None = None, workdir: str | None = None) -> ExecStream:
+        def run() -> tuple[str, Any]:
+            ex = self.api.exec_create(container_id, argv, stdin=True, stdout=True, stderr=True, tty=False,
+                                      user=user, environment=env, workdir=workdir)
+            sock = self.api.exec_start(ex["Id"], socket=True, tty=False)
+            return ex["Id"], sock
+
+        exec_id, sock = await self._call(run)
+        raw = getattr(sock, "_sock", sock)
+        return await ExecStream.from_socket(raw, exec_id)
+
+    async def exec_exit_code(self, exec_id: str) -> int | None:
+        info = await self._call(self.api.exec_inspect, exec_id)
+        return None if info.get("Running") else info.get("ExitCode")
+
+    async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None:
+        data = _tar(files, dirs)
+        ok = await self._call(self.api.put_archive, container_id, "/", data)
+        if not ok:
+            raise EngineError(f"put_archive into {container_id[:12]} failed")
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,75 @@
+"""Durable records: retained sandboxes, members and their native locators."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+
+class SandboxState(StrEnum):
+    RUNNING = "running"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+
+class SandboxRecord(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    user_id: str
+    chat_id: str
+    container_id: str
+    container_name: str
+    image_id: str
+    data_root_id: str
+    host_id: str
+    state: SandboxState
+    lost_reason: str | None = None
+    created_at: datetime
+    last_used_at: datetime
+
+
+class SavedLocator(BaseModel):
+    """The durable form of a member's native locator (``drivers.models.Locator`` in the runner)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    path: str | None = None
+
+
+class MemberRecord(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    user_id: str
+    chat_id: str
+    member_id: str
+    runtime: str
+    locator: SavedLocator | None = None
+    settled_turns: int = 0
+    last_status: str | None = None  # NEW / LIVE / RESTORED / LOST of the last turn
+    last_outcome: str | None = None
+    forked_from: str | None = None  # member_id this one was forked from
+    created_at: datetime
+    updated_at: datetime
+
+
+class JobState(StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+
+
+class JobRecord(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    user_id: str
+    chat_id: str
+    member_id: str
+    body_digest: str
+    state: JobState
+    owner: str  # the daemon instance that claimed it
+    receipt_json: str | None = None
+    created_at: datetime
+    finished_at: datetime | None = None

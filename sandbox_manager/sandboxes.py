@@ -1,0 +1,329 @@
+"""Retained sandboxes: one container per (user_id, chat_id), checked before every turn.
+
+A chat's container is created once from the pinned image and kept (stopped when idle,
+its writable layer retained). Before every turn :meth:`SandboxManager.resolve` proves the
+container is the one recorded: same id, same identity labels, the same engine data root,
+an image with supported pins. Anything else is :class:`SandboxLost` with a named reason:
+losing the container or the data root loses the native state, and that is reported, never
+hidden by quietly creating a fresh container.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import structlog
+
+from images.checks import check_image_labels
+from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, NotFound
+from sandbox_manager.exec_stream import ExecStream
+from sandbox_manager.records import SandboxRecord, SandboxState
+from sandbox_manager.store import Store, now
+
+log = structlog.get_logger("sandbox")
+
+LABEL_PREFIX = "org.cloud-agent"
+LABEL_SANDBOX = f"{LABEL_PREFIX}.sandbox"
+LABEL_IDENTITY = f"{LABEL_PREFIX}.identity"
+LABEL_USER = f"{LABEL_PREFIX}.user-digest"
+LABEL_CHAT = f"{LABEL_PREFIX}.chat-digest"
+LABEL_HOST = f"{LABEL_PREFIX}.host-id"
+LABEL_DATA_ROOT = f"{LABEL_PREFIX}.dataroot-id"
+
+AGENT_HOME = "/home/agent"
+WORKSPACE = f"{AGENT_HOME}/workspace"
+MEMBERS_DIR = f"{AGENT_HOME}/members"
+
+
+class LostReason(StrEnum):
+    CONTAINER_MISSING = "container_missing"
+    CONTAINER_REPLACED = "container_replaced"
+    LABELS_MISMATCH = "labels_mismatch"
+    DATA_ROOT_CHANGED = "data_root_changed"
+    IMAGE_UNSUPPORTED = "image_unsupported"
+    SANDBOX_UNRECORDED = "sandbox_unrecorded"
+    PREVIOUSLY_LOST = "previously_lost"
+    WRONG_HOST = "wrong_host"
+
+
+class SandboxLost(Exception):
+    def __init__(self, reason: LostReason, detail: str = "") -> None:
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+        self.reason = reason
+        self.detail = detail
+
+
+class ImageRefused(Exception):
+    """The configured image does not carry the pinned versions: no sandbox is created from it."""
+
+
+def digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def container_name(user_id: str, chat_id: str) -> str:
+    # Derived from a hash of the ids: no raw user input ever reaches a container name.
+    return f"ca-{digest('sandbox', user_id, chat_id)[:24]}"
+
+
+def member_key(member_id: str) -> str:
+    return digest("member", member_id)[:16]
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    image: str
+    network: str = "none"
+    host_id: str = "local"
+    memory_bytes: int = 4 * 1024**3
+    pids_limit: int = 1024
+    nano_cpus: int = 2_000_000_000
+    require_helper: bool = True
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    record: SandboxRecord
+    container: ContainerInfo
+    image: ImageInfo
+    created: bool = False  # this call created it
+    started: bool = False  # this call started it (it was stopped)
+
+    @property
+    def container_id(self) -> str:
+        return self.container.id
+
+    @property
+    def helper_version(self) -> str | None:
+        return self.image.labels.get("http-agent-live-bridge")
+
+
+@dataclass(frozen=True)
+class MemberDirs:
+    home: str
+    workspace: str
+    run_dir: str
+
+
+@dataclass
+class MemberProcess:
+    """A CLI process in a sandbox: its attached stream and how to kill its group."""
+
+    container_id: str
+    stream: ExecStream
+    pidfile: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class SandboxManager:
+    def __init__(self, engine: Engine, store: Store, config: SandboxConfig) -> None:
+        self.engine = engine
+        self.store = store
+        self.config = config
+        self._data_root_id: str | None = None
+
+    async def data_root_id(self) -> str:
+        if self._data_root_id is None:
+            ident = await self.engine.data_root_identity(create=True)
+            if not ident:
+                raise RuntimeError("the engine data root has no identity and none could be created")
+            self._data_root_id = ident
+        return self._data_root_id
+
+    async def current_data_root_id(self) -> str | None:
+        """Re-read from the engine (never cached): the data root may have been swapped."""
+        return await self.engine.data_root_identity(create=False)
+
+    def identity_labels(self, user_id: str, chat_id: str, data_root_id: str) -> dict[str, str]:
+        return {
+            LABEL_SANDBOX: "1",
+            LABEL_IDENTITY: digest("sandbox", user_id, chat_id),
+            LABEL_USER: digest("user", user_id)[:32],
+            LABEL_CHAT: digest("chat", chat_id)[:32],
+            LABEL_HOST: self.config.host_id,
+            LABEL_DATA_ROOT: data_root_id,
+        }
+
+    async def checked_image(self, ref: str) -> ImageInfo:
+        img = await self.engine.image(ref)
+        problems = check_image_labels(img.labels, require_helper=self.config.require_helper)
+        if problems:
+            raise ImageRefused(f"image {ref} ({img.id[:19]}) refused: " + "; ".join(problems))
+        return img
+
+    # -- resolve ------------------------------------------------------------------------------
+
+    async def resolve(self, user_id: str, chat_id: str, *, create: bool = True) -> Sandbox:
+        """The chat's retained sandbox, running and integrity-checked, or SandboxLost."""
+        rec = await self.store.get_sandbox(user_id, chat_id)
+        if rec is None:
+            if not create:
+                raise KeyError((user_id, chat_id))
+            return await self._create(user_id, chat_id)
+        if rec.state == SandboxState.LOST:
+            raise SandboxLost(LostReason.PREVIOUSLY_LOST, rec.lost_reason or "")
+        try:
+            info, image = await self._check(rec)
+        except SandboxLost as lost:
+            await self.store.set_sandbox_state(user_id, chat_id, SandboxState.LOST, lost.reason.value)
+            log.warning("sandbox.lost", container=rec.container_name, reason=lost.reason.value, detail=lost.detail)
+            raise
+        started = False
+        if not info.running:
+            await self.engine.start(info.id)
+            info = await self.engine.inspect(info.id)
+            started = True
+            log.info("sandbox.started", container=rec.container_name)
+        rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
+        await self.store.put_sandbox(rec)
+        return Sandbox(record=rec, container=info, image=image, started=started)
+
+    async def _check(self, rec: SandboxRecord) -> tuple[ContainerInfo, ImageInfo]:
+        if rec.host_id != self.config.host_id:
+            raise SandboxLost(LostReason.WRONG_HOST, f"recorded on host {rec.host_id}")
+        current_root = await self.current_data_root_id()
+        if current_root != rec.data_root_id:
+            raise SandboxLost(LostReason.DATA_ROOT_CHANGED,
+                              f"created in data root {rec.data_root_id[:12]}, engine now has "
+                              f"{(current_root or 'none')[:12]}")
+        try:
+            info = await self.engine.inspect(rec.container_id)
+        except NotFound:
+            raise SandboxLost(LostReason.CONTAINER_MISSING, f"container {rec.container_name} is gone") from None
+        if info.id != rec.container_id:
+            raise SandboxLost(LostReason.CONTAINER_REPLACED, f"{info.id[:12]} is not {rec.container_id[:12]}")
+        want = self.identity_labels(rec.user_id, rec.chat_id, rec.data_root_id)
+        bad = sorted(k for k, v in want.items() if info.labels.get(k) != v)
+        if bad:
+            raise SandboxLost(LostReason.LABELS_MISMATCH, "labels differ: " + ", ".join(bad))
+        try:
+            image = await self.engine.image(info.image_id)
+        except NotFound:
+            raise SandboxLost(LostReason.IMAGE_UNSUPPORTED, f"image {info.image_id[:19]} is gone") from None
+        # Attest from the image the container runs, never from container labels (which a
+        # create-time --label can override, protocols/image-build.md section 6).
+        problems = check_image_labels(image.labels, require_helper=self.config.require_helper)
+        if problems:
+            raise SandboxLost(LostReason.IMAGE_UNSUPPORTED, "; ".join(problems))
+        return info, image
+
+    async def _create(self, user_id: str, chat_id: str) -> Sandbox:
+        image = await self.checked_image(self.config.image)
+        root = await self.data_root_id()
+        name = container_name(user_id, chat_id)
+        try:
+            existing = await self.engine.inspect(name)
+        except NotFound:
+            existing = None
+        if existing is not None:
+            # A container with this identity but no record: the store lost track of it.
+            raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record")
+        spec = ContainerSpec(image=image.id, name=name, labels=self.identity_labels(user_id, chat_id, root),
+                             network=self.config.network, memory_bytes=self.config.memory_bytes,
+                             pids_limit=self.config.pids_limit, nano_cpus=self.config.nano_cpus)
+        info = await self.engine.create(spec)
+        await self.engine.start(info.id)
+        info = await self.engine.inspect(info.id)
+        ts = now()
+        rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=info.id, container_name=name,
+                            image_id=image.id, data_root_id=root, host_id=self.config.host_id,
+                            state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
+        await self.store.put_sandbox(rec)
+        log.info("sandbox.created", container=name, image=image.id[:19], network=self.config.network)
+        return Sandbox(record=rec, container=info, image=image, created=True)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def stop(self, user_id: str, chat_id: str) -> bool:
+        """Idle-stop: the container stops, its writable layer (the native state) is kept."""
+        rec = await self.store.get_sandbox(user_id, chat_id)
+        if rec is None or rec.state == SandboxState.LOST:
+            return False
+        try:
+            await self.engine.stop(rec.container_id)
+        except NotFound:
+            return False
+        await self.store.set_sandbox_state(user_id, chat_id, SandboxState.STOPPED)
+        log.info("sandbox.stopped", container=rec.container_name)
+        return True
+
+    # -- member processes ------------------------------------------------------------------------
+
+    @staticmethod
+    def member_dirs(member_id: str) -> MemberDirs:
+        base = f"{MEMBERS_DIR}/{member_key(member_id)}"
+        return MemberDirs(home=f"{base}/home", workspace=WORKSPACE, run_dir=f"{base}/run")
+
+    async def prepare_files(self, sandbox: Sandbox, files: list[FileEntry], keep: list[FileEntry],
+                            dirs: list[str]) -> None:
+        """Write config files; ``keep`` files are written only when absent (the CLI may edit them)."""
+        if keep:
+            script = 'for f in "$@"; do [ -e "$f" ] && printf "%s\\n" "$f"; done; exit 0'
+            code, out = await self.engine.exec_run(sandbox.container_id, ["sh", "-c", script, "sh",
+                                                                          *[f.path for f in keep]])
+            present = set(out.decode(errors="replace").splitlines())
+            files = files + [f for f in keep if f.path not in present]
+        if files or dirs:
+            await self.engine.put_files(sandbox.container_id, files, dirs)
+
+    async def launch(self, sandbox: Sandbox, *, argv: list[str], env: dict[str, str], workdir: str,
+                     pidfile: str, stdin_header: bytes | None) -> MemberProcess:
+        stream = await self.engine.exec_attached(sandbox.container_id, argv, env=env, workdir=workdir)
+        if stdin_header is not None:
+            await stream.send(stdin_header)
+        return MemberProcess(container_id=sandbox.container_id, stream=stream, pidfile=pidfile)
+
+    async def kill_group(self, container_id: str, pidfile: str, grace_s: float = 3.0) -> None:
+        """Retire a process: kill its whole process group inside the container.
+
+        Closing the exec client never ends the process inside (SPEC section 7).
+        """
+        tries = max(1, int(grace_s / 0.1))
+        script = (
+            'pg=$(cat "$1" 2>/dev/null) || exit 0; [ -n "$pg" ] || exit 0; '
+            'kill -s TERM -- "-$pg" 2>/dev/null || { rm -f "$1"; exit 0; }; i=0; '
+            f'while kill -s 0 -- "-$pg" 2>/dev/null; do i=$((i+1)); if [ $i -ge {tries} ]; then '
+            'kill -s KILL -- "-$pg" 2>/dev/null; break; fi; sleep 0.1; done; rm -f "$1"'
+        )
+        try:
+            await self.engine.exec_run(container_id, ["sh", "-c", script, "sh", pidfile])
+        except NotFound:
+            pass
+
+    async def reap_orphans(self) -> int:
+        """On daemon start: kill CLI process groups left in retained, running sandboxes."""
+        killed = 0
+        script = (
+            f'for f in {MEMBERS_DIR}/*/run/*.pid; do [ -f "$f" ] || continue; pg=$(cat "$f"); '
+            '[ -n "$pg" ] && kill -s KILL -- "-$pg" 2>/dev/null && echo "$pg"; rm -f "$f"; done; exit 0'
+        )
+        for info in await self.engine.list_labelled(f"{LABEL_HOST}={self.config.host_id}"):
+            if not info.running:
+                continue
+            code, out = await self.engine.exec_run(info.id, ["sh", "-c", script])
+            n = len(out.split())
+            if n:
+                log.info("sandbox.reaped", container=info.name, groups=n)
+            killed += n
+        return killed
+
+    async def list_processes(self, container_id: str) -> list[dict[str, str]]:
+        """ps of a sandbox (tests and status): pid, pgid, stat, comm."""
+        code, out = await self.engine.exec_run(container_id, ["ps", "-eo", "pid=,pgid=,stat=,comm="])
+        rows = []
+        for line in out.decode(errors="replace").splitlines():
+            parts = line.split(None, 3)
+            if len(parts) == 4:
+                rows.append(dict(zip(("pid", "pgid", "stat", "comm"), parts, strict=True)))
+        return rows
+
+
+def labels_json(labels: dict[str, str]) -> str:
+    return json.dumps(labels, sort_keys=True)

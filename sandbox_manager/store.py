@@ -1,0 +1,339 @@
+"""The durable store: SQLite in WAL mode under CLOUD_AGENT_HOME, versioned migrations.
+
+Invariants kept here rather than trusted to callers:
+* the job fence — a job id is claimed once; a repeat sees the first one's state;
+* a member's durable locator changes only inside :meth:`Store.finish_job`, in the same
+  transaction that records the job's receipt, and only for a :class:`VerifiedTurn`.
+SQLite's atomic commit means a ``kill -9`` at any point leaves the whole turn or none.
+
+All calls run on one connection in a worker thread (one at a time), so the event loop
+never blocks on disk.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import anyio
+
+from sandbox_manager.records import (
+    JobRecord,
+    JobState,
+    MemberRecord,
+    SandboxRecord,
+    SandboxState,
+    SavedLocator,
+)
+
+T = TypeVar("T")
+
+MIGRATIONS: list[str] = [
+    # 1: the first schema
+    """
+    CREATE TABLE sandboxes (
+        user_id TEXT NOT NULL, chat_id TEXT NOT NULL,
+        container_id TEXT NOT NULL, container_name TEXT NOT NULL, image_id TEXT NOT NULL,
+        data_root_id TEXT NOT NULL, host_id TEXT NOT NULL,
+        state TEXT NOT NULL, lost_reason TEXT,
+        created_at TEXT NOT NULL, last_used_at TEXT NOT NULL,
+        PRIMARY KEY (user_id, chat_id)
+    );
+    CREATE TABLE members (
+        user_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT NOT NULL,
+        runtime TEXT NOT NULL, locator_id TEXT, locator_path TEXT,
+        settled_turns INTEGER NOT NULL DEFAULT 0, last_status TEXT, last_outcome TEXT,
+        forked_from TEXT, created_at TEXT NOT NULL, updated_at TEXT NOT NULL,
+        PRIMARY KEY (user_id, chat_id, member_id)
+    );
+    CREATE TABLE jobs (
+        job_id TEXT PRIMARY KEY, user_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT NOT NULL,
+        body_digest TEXT NOT NULL, state TEXT NOT NULL, owner TEXT NOT NULL,
+        receipt_json TEXT, created_at TEXT NOT NULL, finished_at TEXT
+    );
+    CREATE INDEX jobs_by_chat ON jobs (user_id, chat_id, finished_at);
+    """,
+]
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class VerifiedTurn:
+    """A settled turn whose observed locator equalled the expected one (or a NEW one).
+
+    Only this moves a member's durable locator.
+    """
+
+    locator: SavedLocator
+
+
+@dataclass(frozen=True)
+class MemberOutcome:
+    last_status: str
+    last_outcome: str
+    verified: VerifiedTurn | None = None  # None: failed / refused / not settled — locator untouched
+
+
+@dataclass(frozen=True)
+class Claim:
+    kind: Literal["claimed", "done", "running", "conflict"]
+    job: JobRecord | None = None
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        self._limiter = anyio.CapacityLimiter(1)
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a committed turn survives power loss too
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        for i, sql in enumerate(MIGRATIONS[version:], start=version + 1):
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for stmt in filter(str.strip, sql.split(";")):
+                    self._db.execute(stmt)
+                self._db.execute(f"PRAGMA user_version = {i}")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            with self._lock:
+                return fn(self._db)
+
+        return await anyio.to_thread.run_sync(call, limiter=self._limiter)
+
+    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(db)
+            db.execute("COMMIT")
+            return result
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- sandboxes --------------------------------------------------------------------------
+
+    async def get_sandbox(self, user_id: str, chat_id: str) -> SandboxRecord | None:
+        def q(db: sqlite3.Connection) -> SandboxRecord | None:
+            row = db.execute("SELECT * FROM sandboxes WHERE user_id=? AND chat_id=?", (user_id, chat_id)).fetchone()
+            return SandboxRecord(**dict(row)) if row else None
+
+        return await self._run(q)
+
+    async def put_sandbox(self, rec: SandboxRecord) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (rec.user_id, rec.chat_id, rec.container_id, rec.container_name, rec.image_id, rec.data_root_id,
+                 rec.host_id, rec.state.value, rec.lost_reason, rec.created_at.isoformat(),
+                 rec.last_used_at.isoformat()),
+            )
+
+        await self._run(q)
+
+    async def set_sandbox_state(self, user_id: str, chat_id: str, state: SandboxState,
+                                lost_reason: str | None = None) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE sandboxes SET state=?, lost_reason=? WHERE user_id=? AND chat_id=?",
+                       (state.value, lost_reason, user_id, chat_id))
+
+        await self._run(q)
+
+    async def touch_sandbox(self, user_id: str, chat_id: str) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE sandboxes SET last_used_at=? WHERE user_id=? AND chat_id=?",
+                       (now().isoformat(), user_id, chat_id))
+
+        await self._run(q)
+
+    async def list_sandboxes(self, state: SandboxState | None = None) -> list[SandboxRecord]:
+        def q(db: sqlite3.Connection) -> list[SandboxRecord]:
+            if state is None:
+                rows = db.execute("SELECT * FROM sandboxes").fetchall()
+            else:
+                rows = db.execute("SELECT * FROM sandboxes WHERE state=?", (state.value,)).fetchall()
+            return [SandboxRecord(**dict(r)) for r in rows]
+
+        return await self._run(q)
+
+    # -- members ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _member(row: sqlite3.Row) -> MemberRecord:
+        d = dict(row)
+        loc_id, loc_path = d.pop("locator_id"), d.pop("locator_path")
+        d["locator"] = SavedLocator(id=loc_id, path=loc_path) if loc_id else None
+        return MemberRecord(**d)
+
+    async def get_member(self, user_id: str, chat_id: str, member_id: str) -> MemberRecord | None:
+        def q(db: sqlite3.Connection) -> MemberRecord | None:
+            row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
+                             (user_id, chat_id, member_id)).fetchone()
+            return self._member(row) if row else None
+
+        return await self._run(q)
+
+    async def list_members(self, user_id: str, chat_id: str) -> list[MemberRecord]:
+        def q(db: sqlite3.Connection) -> list[MemberRecord]:
+            rows = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? ORDER BY created_at, member_id",
+                              (user_id, chat_id)).fetchall()
+            return [self._member(r) for r in rows]
+
+        return await self._run(q)
+
+    async def ensure_member(self, user_id: str, chat_id: str, member_id: str, runtime: str, *,
+                            locator: SavedLocator | None = None, settled_turns: int = 0,
+                            forked_from: str | None = None) -> MemberRecord:
+        """Create the member if absent (a fork is created with its verified locator); return it."""
+
+        def q(db: sqlite3.Connection) -> MemberRecord:
+            ts = now().isoformat()
+            db.execute(
+                "INSERT OR IGNORE INTO members (user_id, chat_id, member_id, runtime, locator_id, locator_path,"
+                " settled_turns, forked_from, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (user_id, chat_id, member_id, runtime, locator.id if locator else None,
+                 locator.path if locator else None, settled_turns, forked_from, ts, ts),
+            )
+            row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
+                             (user_id, chat_id, member_id)).fetchone()
+            return self._member(row)
+
+        return await self._run(lambda db: self._tx(db, q))
+
+    async def set_member_status(self, user_id: str, chat_id: str, member_id: str, status: str) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE members SET last_status=?, updated_at=? WHERE user_id=? AND chat_id=? AND member_id=?",
+                       (status, now().isoformat(), user_id, chat_id, member_id))
+
+        await self._run(q)
+
+    async def erase_locator_for_test(self, user_id: str, chat_id: str, member_id: str) -> None:
+        """Operator/test tool: simulate a store that lost a member's locator (a LOST case)."""
+
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE members SET locator_id=NULL, locator_path=NULL WHERE user_id=? AND chat_id=?"
+                       " AND member_id=?", (user_id, chat_id, member_id))
+
+        await self._run(q)
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _job(row: sqlite3.Row) -> JobRecord:
+        return JobRecord(**dict(row))
+
+    async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
+                        body_digest: str, owner: str) -> Claim:
+        """The job fence: the first claim wins; every later one sees the first one's state."""
+
+        def q(db: sqlite3.Connection) -> Claim:
+            row = db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            if row is not None:
+                job = self._job(row)
+                if job.body_digest != body_digest or job.user_id != user_id:
+                    return Claim("conflict", job)
+                return Claim("done" if job.state == JobState.DONE else "running", job)
+            db.execute(
+                "INSERT INTO jobs (job_id, user_id, chat_id, member_id, body_digest, state, owner, created_at)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                (job_id, user_id, chat_id, member_id, body_digest, JobState.RUNNING.value, owner, now().isoformat()),
+            )
+            return Claim("claimed", self._job(db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()))
+
+        return await self._run(lambda db: self._tx(db, q))
+
+    async def get_job(self, job_id: str) -> JobRecord | None:
+        def q(db: sqlite3.Connection) -> JobRecord | None:
+            row = db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            return self._job(row) if row else None
+
+        return await self._run(q)
+
+    async def finish_job(self, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None:
+        """Record the receipt and the member's new state in ONE transaction.
+
+        The durable locator moves only for a :class:`VerifiedTurn`; every other outcome
+        leaves it exactly as it was.
+        """
+
+        def q(db: sqlite3.Connection) -> None:
+            row = db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            job = self._job(row)
+            if job.state == JobState.DONE:
+                raise RuntimeError(f"job {job_id} already committed")  # never commit twice
+            ts = now().isoformat()
+            db.execute("UPDATE jobs SET state=?, receipt_json=?, finished_at=? WHERE job_id=?",
+                       (JobState.DONE.value, receipt_json, ts, job_id))
+            if member is None:
+                return
+            if member.verified is not None:
+                loc = member.verified.locator
+                db.execute(
+                    "UPDATE members SET locator_id=?, locator_path=?, settled_turns=settled_turns+1, last_status=?,"
+                    " last_outcome=?, updated_at=? WHERE user_id=? AND chat_id=? AND member_id=?",
+                    (loc.id, loc.path, member.last_status, member.last_outcome, ts, job.user_id, job.chat_id,
+                     job.member_id),
+                )
+            else:
+                db.execute(
+                    "UPDATE members SET last_status=?, last_outcome=?, updated_at=? WHERE user_id=? AND chat_id=?"
+                    " AND member_id=?",
+                    (member.last_status, member.last_outcome, ts, job.user_id, job.chat_id, job.member_id),
+                )
+
+        await self._run(lambda db: self._tx(db, q))
+
+    async def running_jobs(self, *, not_owner: str | None = None) -> list[JobRecord]:
+        def q(db: sqlite3.Connection) -> list[JobRecord]:
+            rows = db.execute("SELECT * FROM jobs WHERE state=?", (JobState.RUNNING.value,)).fetchall()
+            return [self._job(r) for r in rows if not_owner is None or r["owner"] != not_owner]
+
+        return await self._run(q)
+
+    async def recent_receipts(self, user_id: str, chat_id: str, limit: int = 10) -> list[str]:
+        def q(db: sqlite3.Connection) -> list[str]:
+            rows = db.execute(
+                "SELECT receipt_json FROM jobs WHERE user_id=? AND chat_id=? AND state=? ORDER BY finished_at DESC"
+                " LIMIT ?", (user_id, chat_id, JobState.DONE.value, limit)).fetchall()
+            return [r[0] for r in rows]
+
+        return await self._run(q)
+
+    def raw_rows(self, table: str) -> list[dict[str, Any]]:
+        """Synchronous read for tests and operators (e.g. after a kill -9)."""
+        with self._lock:
+            return [dict(r) for r in self._db.execute(f"SELECT * FROM {table}")]  # noqa: S608 - fixed names

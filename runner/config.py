@@ -1,0 +1,128 @@
+"""Configuration: environment variables, with a TOML file equivalent (CLOUD_AGENT_CONFIG).
+
+Environment wins over the file. Secrets are read from files named here and kept as
+SecretStr: they never reach logs, receipts, labels or command lines.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+RUNTIMES = ("claude", "codex", "pi", "opencode", "kilo")
+DEFAULT_MODELS = {
+    "claude": "fixture-claude",
+    "codex": "fixture-codex",
+    "pi": "fixture-pi",
+    "opencode": "fixture-opencode",
+    "kilo": "fixture-kilo",
+}
+LOOPBACK_KEY = "loopback-fixture-no-credentials"
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    home: Path = Field(default=Path("/var/lib/cloud-agent"), description="CLOUD_AGENT_HOME: store, logs, host id")
+    gateway_url: str | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_URL; None = embedded loopback fixture")
+    gateway_key_file: Path | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_KEY_FILE")
+    service_token_file: Path | None = Field(default=None, description="CLOUD_AGENT_SERVICE_TOKEN_FILE")
+    dev_mode: bool = Field(default=False, description="CLOUD_AGENT_DEV_MODE: loopback-only, no service token")
+    sandbox_network: str | None = Field(default=None, description="CLOUD_AGENT_SANDBOX_NETWORK: none | host | a name")
+    image: str | None = Field(default=None, description="CLOUD_AGENT_IMAGE; None = the tag of the pinned build")
+    docker_url: str = Field(default="unix:///var/run/docker.sock", description="CLOUD_AGENT_DOCKER_URL")
+    listen_host: str = Field(default="127.0.0.1", description="CLOUD_AGENT_LISTEN_HOST")
+    listen_port: int = Field(default=8765, description="CLOUD_AGENT_LISTEN_PORT")
+    models: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_MODELS))
+    turn_timeout_s: float = Field(default=300.0, description="CLOUD_AGENT_TURN_TIMEOUT_S")
+    handshake_timeout_s: float = Field(default=90.0, description="CLOUD_AGENT_HANDSHAKE_TIMEOUT_S")
+    idle_stop_s: float = Field(default=1800.0, description="CLOUD_AGENT_IDLE_STOP_S: stop idle sandboxes")
+    resident_idle_s: float = Field(default=900.0, description="CLOUD_AGENT_RESIDENT_IDLE_S: retire idle processes")
+    max_message_bytes: int = Field(default=1024 * 1024, description="CLOUD_AGENT_MAX_MESSAGE_BYTES")
+    heartbeat_interval_s: float = Field(default=10.0, description="CLOUD_AGENT_HEARTBEAT_INTERVAL_S")
+    host_id: str | None = Field(default=None, description="CLOUD_AGENT_HOST_ID; default kept in HOME/host-id")
+    memory_bytes: int = 4 * 1024**3
+    pids_limit: int = 1024
+    nano_cpus: int = 2_000_000_000
+
+    @property
+    def store_path(self) -> Path:
+        return self.home / "store.db"
+
+    def gateway_key(self) -> SecretStr:
+        if self.gateway_key_file is None:
+            return SecretStr(LOOPBACK_KEY)
+        try:
+            return SecretStr(self.gateway_key_file.read_text().strip())
+        except OSError as exc:
+            raise ValueError(f"gateway_key_file: cannot read {self.gateway_key_file}: {exc.strerror}") from None
+
+    def service_token(self) -> SecretStr | None:
+        if self.service_token_file is None:
+            return None
+        try:
+            token = self.service_token_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"service_token_file: cannot read {self.service_token_file}: {exc.strerror}") from None
+        if len(token) < 16:
+            raise ValueError("service_token_file: the token must be at least 16 characters")
+        return SecretStr(token)
+
+    def resolved_host_id(self) -> str:
+        if self.host_id:
+            return self.host_id
+        path = self.home / "host-id"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            self.home.mkdir(parents=True, exist_ok=True)
+            ident = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+            path.write_text(ident + "\n")
+            return ident
+
+    def network_for(self, gateway_url: str) -> str:
+        if self.sandbox_network:
+            return self.sandbox_network
+        # The loopback fixture on 127.0.0.1 is only reachable with host networking.
+        host = gateway_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+        return "host" if host in ("127.0.0.1", "localhost", "[::1]") else "none"
+
+
+_ENV = {
+    "CLOUD_AGENT_HOME": "home", "CLOUD_AGENT_GATEWAY_URL": "gateway_url",
+    "CLOUD_AGENT_GATEWAY_KEY_FILE": "gateway_key_file", "CLOUD_AGENT_SERVICE_TOKEN_FILE": "service_token_file",
+    "CLOUD_AGENT_DEV_MODE": "dev_mode", "CLOUD_AGENT_SANDBOX_NETWORK": "sandbox_network",
+    "CLOUD_AGENT_IMAGE": "image", "CLOUD_AGENT_DOCKER_URL": "docker_url",
+    "CLOUD_AGENT_LISTEN_HOST": "listen_host", "CLOUD_AGENT_LISTEN_PORT": "listen_port",
+    "CLOUD_AGENT_TURN_TIMEOUT_S": "turn_timeout_s", "CLOUD_AGENT_HANDSHAKE_TIMEOUT_S": "handshake_timeout_s",
+    "CLOUD_AGENT_IDLE_STOP_S": "idle_stop_s", "CLOUD_AGENT_RESIDENT_IDLE_S": "resident_idle_s",
+    "CLOUD_AGENT_MAX_MESSAGE_BYTES": "max_message_bytes", "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "CLOUD_AGENT_HOST_ID": "host_id",
+}
+
+
+def load_settings(env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+    env = dict(os.environ if env is None else env)
+    data: dict[str, Any] = {}
+    cfg_file = env.get("CLOUD_AGENT_CONFIG")
+    if cfg_file:
+        with open(cfg_file, "rb") as fh:
+            data.update(tomllib.load(fh))
+    for var, field in _ENV.items():
+        if env.get(var) not in (None, ""):
+            data[field] = env[var]
+    models = dict(DEFAULT_MODELS)
+    models.update(data.get("models", {}))
+    for runtime in RUNTIMES:
+        var = f"CLOUD_AGENT_MODEL_{runtime.upper()}"
+        if env.get(var):
+            models[runtime] = env[var]
+    data["models"] = models
+    data.update(overrides)
+    return Settings.model_validate(data)

@@ -1,0 +1,26 @@
+"""Starting a driver's launch inside a retained sandbox (the glue between drivers and
+sandbox_manager, which never import each other)."""
+
+from __future__ import annotations
+
+from drivers.base import Launch
+from drivers.models import MemberPaths
+from sandbox_manager.engine import FileEntry
+from sandbox_manager.sandboxes import MemberDirs, MemberProcess, Sandbox, SandboxManager
+
+
+def member_paths(dirs: MemberDirs) -> MemberPaths:
+    return MemberPaths(home=dirs.home, workspace=dirs.workspace, run_dir=dirs.run_dir)
+
+
+async def start_in_sandbox(manager: SandboxManager, sandbox: Sandbox, dirs: MemberDirs, launch: Launch,
+                           *, name: str = "cli") -> MemberProcess:
+    spec = launch.spec
+    files = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if f.overwrite]
+    keep = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if not f.overwrite]
+    await manager.prepare_files(sandbox, files, keep, [*spec.dirs, dirs.run_dir, dirs.home, dirs.workspace])
+    pidfile = f"{dirs.run_dir}/{name}.pid"
+    argv = spec.launcher_argv(pidfile=pidfile)
+    # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
+    return await manager.launch(sandbox, argv=argv, env=dict(spec.env), workdir="/home/agent", pidfile=pidfile,
+                                stdin_header=spec.secret_header_line())

@@ -1,0 +1,90 @@
+"""Resident CLI processes: one per member while the daemon keeps it (LIVE turns)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from drivers.base import NativeSession
+from drivers.models import Locator
+
+log = structlog.get_logger("residents")
+
+MemberKey = tuple[str, str, str]  # (user_id, chat_id, member_id)
+
+
+@dataclass
+class Resident:
+    key: MemberKey
+    runtime: str
+    session: NativeSession
+    container_id: str
+    pidfile: str
+    kill: Callable[[], Awaitable[None]]  # kills the process group inside the sandbox
+    aclose: Callable[[], Awaitable[None]]  # closes our end of the stream
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def alive(self) -> bool:
+        return self.session.transport.alive
+
+    @property
+    def locator(self) -> Locator | None:
+        return self.session.locator
+
+
+class ResidentPool:
+    def __init__(self, grace_s: float = 3.0) -> None:
+        self._residents: dict[MemberKey, Resident] = {}
+        self.grace_s = grace_s
+
+    def get(self, key: MemberKey) -> Resident | None:
+        return self._residents.get(key)
+
+    def add(self, resident: Resident) -> None:
+        self._residents[resident.key] = resident
+
+    def keys(self) -> list[MemberKey]:
+        return list(self._residents)
+
+    def __len__(self) -> int:
+        return len(self._residents)
+
+    def is_resident(self, key: MemberKey) -> bool:
+        r = self._residents.get(key)
+        return r is not None and r.alive
+
+    async def retire(self, key: MemberKey, why: str) -> bool:
+        """Graceful close (stdin EOF), then kill the whole process group in the sandbox."""
+        r = self._residents.pop(key, None)
+        if r is None:
+            return False
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.move_on_after(self.grace_s):
+                    await r.session.close(self.grace_s)
+            except Exception as exc:  # noqa: BLE001 - retiring must always finish
+                log.warning("resident.close_failed", error=repr(exc))
+            try:
+                await r.kill()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("resident.kill_failed", error=repr(exc))
+            try:
+                await r.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+        log.info("resident.retired", runtime=r.runtime, why=why)
+        return True
+
+    async def retire_where(self, pred: Callable[[Resident], bool], why: str) -> int:
+        n = 0
+        for key in [k for k, r in self._residents.items() if pred(r)]:
+            n += await self.retire(key, why)
+        return n
+
+    async def retire_all(self, why: str) -> int:
+        return await self.retire_where(lambda r: True, why)

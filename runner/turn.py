@@ -1,0 +1,303 @@
+"""The turn state machine (SPEC sections 3-5 and 8).
+
+validate -> (fence, in the supervisor) -> member checks -> resolve the sandbox ->
+decide NEW / LIVE / RESTORED / LOST -> refuse LOST -> run the turn through the driver ->
+verify identity at settlement -> commit -> retire when asked or when not settled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import structlog
+
+from drivers.base import Launch, NativeSession
+from drivers.models import (
+    FailureReason,
+    GatewayConfig,
+    HandshakeFailed,
+    HandshakeReason,
+    Locator,
+    NotSettled,
+    Settlement,
+)
+from drivers.registry import get_driver
+from drivers.transport import Transport
+from images.pins import load_pins
+from runner.jobs import Job
+from runner.processes import member_paths, start_in_sandbox
+from runner.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
+from runner.residents import Resident, ResidentPool
+from sandbox_manager.records import MemberRecord, SavedLocator
+from sandbox_manager.sandboxes import ImageRefused, Sandbox, SandboxLost, SandboxManager
+from sandbox_manager.store import MemberOutcome, Store, VerifiedTurn
+
+log = structlog.get_logger("turn")
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class TestHooks:
+    """Test-only seams. Never set in production (the daemon has no way to set them)."""
+
+    wrap_transport: Callable[[Transport, str], Transport] | None = None
+    disable_retire_after: bool = False
+
+
+def to_locator(saved: SavedLocator | None) -> Locator | None:
+    return None if saved is None else Locator(id=saved.id, path=saved.path)
+
+
+def to_saved(loc: Locator) -> SavedLocator:
+    return SavedLocator(id=loc.id, path=loc.path)
+
+
+class Refusal(Exception):
+    def __init__(self, reason: str, status: ContextStatus | None = ContextStatus.LOST) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class TurnContext:
+    job: Job
+    emit: Emit
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    t0: float = field(default_factory=time.monotonic)
+    timings: Timings = field(default_factory=Timings)
+    status: ContextStatus | None = None
+    sandbox: Sandbox | None = None
+    member: MemberRecord | None = None
+    cli_version: str | None = None
+
+    def ms_since(self, t: float) -> int:
+        return int((time.monotonic() - t) * 1000)
+
+
+class TurnRunner:
+    def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, gateway_url: str,
+                 gateway_key: Any, models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
+                 hooks: TestHooks | None = None) -> None:
+        self.store = store
+        self.manager = manager
+        self.pool = pool
+        self.gateway_url = gateway_url
+        self.gateway_key = gateway_key
+        self.models = models
+        self.turn_timeout_s = turn_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.hooks = hooks or TestHooks()
+
+    # -- receipts ---------------------------------------------------------------------------------
+
+    def _receipt(self, ctx: TurnContext, outcome: Outcome, *, reason: str | None = None,
+                 settlement: Settlement | None = None, text: str = "", locator_after: str | None = None,
+                 detail: str | None = None) -> Receipt:
+        job = ctx.job
+        ctx.timings.total = ctx.ms_since(ctx.t0)
+        sb = ctx.sandbox
+        info = SettlementInfo()
+        if settlement is not None:
+            info = SettlementInfo(evidence=settlement.evidence, is_error=settlement.is_error,
+                                  detail=settlement.detail, raw=settlement.raw)
+        elif detail:
+            info = SettlementInfo(detail=detail)
+        before = ctx.member.locator.id if ctx.member and ctx.member.locator else None
+        return Receipt(
+            job_id=job.job_id, user_id=job.user_id, chat_id=job.chat_id, member_id=job.member_id,
+            runtime=job.runtime, context_status=ctx.status, outcome=outcome, reason=reason,
+            locator_before=before, locator_after=locator_after if locator_after is not None else before,
+            settlement=info, assistant_text=text,
+            sandbox=SandboxInfo(container_id=sb.container_id if sb else None, image_id=sb.image.id if sb else None,
+                                helper_version=sb.helper_version if sb else None),
+            cli_version=ctx.cli_version or load_pins().cli[job.runtime].version,
+            timings_ms=ctx.timings, started_at=ctx.started_at, finished_at=datetime.now(UTC),
+        )
+
+    async def _commit(self, receipt: Receipt, verified: Locator | None) -> Receipt:
+        member = MemberOutcome(
+            last_status=receipt.context_status.value if receipt.context_status else "-",
+            last_outcome=receipt.outcome.value,
+            verified=VerifiedTurn(to_saved(verified)) if verified is not None else None,
+        )
+        with anyio.CancelScope(shield=True):
+            await self.store.finish_job(receipt.job_id, receipt.model_dump_json(), member)
+        log.info("turn.committed", job_id=receipt.job_id, runtime=receipt.runtime,
+                 status=receipt.context_status, outcome=receipt.outcome, reason=receipt.reason,
+                 total_ms=receipt.timings_ms.total)
+        return receipt
+
+    # -- the state machine ---------------------------------------------------------------------------
+
+    async def execute(self, job: Job, emit: Emit) -> Receipt:
+        ctx = TurnContext(job=job, emit=emit)
+        key = (job.user_id, job.chat_id, job.member_id)
+        try:
+            session = await self._prepare(ctx, key)
+        except Refusal as r:
+            ctx.status = r.status
+            receipt = self._receipt(ctx, Outcome.REFUSED, reason=r.reason)
+            if r.status == ContextStatus.LOST and ctx.member is not None:
+                await self.store.set_member_status(*key, ContextStatus.LOST.value)
+            return await self._commit(receipt, None)
+        except _NotStarted as ns:
+            return await self._commit(self._receipt(ctx, Outcome.NOT_SETTLED, reason=ns.reason, detail=ns.detail),
+                                      None)
+        emit({"type": "status", "context_status": ctx.status.value if ctx.status else None})
+        return await self._run(ctx, key, session)
+
+    async def _prepare(self, ctx: TurnContext, key: tuple[str, str, str]) -> NativeSession:
+        job = ctx.job
+        member = await self.store.get_member(*key)
+        ctx.member = member
+        if member is not None and member.runtime != job.runtime:
+            raise Refusal("runtime_mismatch", status=None)
+        saved = member.locator if member else None
+        # Identity rule 2: a requested locator must equal the saved one; checked before launch.
+        if job.locator is not None and (saved is None or job.locator != saved.id):
+            raise Refusal("locator_mismatch")
+        if member is not None and member.last_status == ContextStatus.LOST.value:
+            raise Refusal("member_lost")
+        # Identity rule 3: settled turns but no resume locator.
+        if member is not None and member.settled_turns > 0 and saved is None:
+            raise Refusal("member_locator_missing")
+        t = time.monotonic()
+        try:
+            ctx.sandbox = await self.manager.resolve(job.user_id, job.chat_id)
+        except SandboxLost as lost:
+            await self.pool.retire_where(lambda r: r.key[:2] == key[:2], "sandbox lost")
+            ctx.timings.sandbox = ctx.ms_since(t)
+            raise Refusal(lost.reason.value) from None
+        except ImageRefused as exc:
+            ctx.timings.sandbox = ctx.ms_since(t)
+            log.error("turn.image_refused", detail=str(exc))
+            raise Refusal("image_unsupported") from None
+        ctx.timings.sandbox = ctx.ms_since(t)
+        if member is None:
+            member = await self.store.ensure_member(*key, job.runtime)
+            ctx.member = member
+        t = time.monotonic()
+        resident = self.pool.get(key)
+        if (resident is not None and resident.alive and saved is not None and resident.locator is not None
+                and resident.locator.id == saved.id and resident.container_id == ctx.sandbox.container_id):
+            ctx.status = ContextStatus.LIVE
+            ctx.cli_version = resident.session.cli_version
+            resident.last_used = time.monotonic()
+            ctx.timings.process = ctx.ms_since(t)
+            return resident.session
+        if resident is not None:
+            await self.pool.retire(key, "stale before turn")
+        ctx.status = ContextStatus.NEW if member.settled_turns == 0 else ContextStatus.RESTORED
+        resume = to_locator(saved) if ctx.status == ContextStatus.RESTORED else None
+        session = await self._launch(ctx, key, resume)
+        ctx.timings.process = ctx.ms_since(t)
+        return session
+
+    async def _launch(self, ctx: TurnContext, key: tuple[str, str, str], resume: Locator | None) -> NativeSession:
+        job, sandbox = ctx.job, ctx.sandbox
+        assert sandbox is not None
+        driver = get_driver(job.runtime)
+        dirs = self.manager.member_dirs(job.member_id)
+        gateway = GatewayConfig(base_url=self.gateway_url, key=self.gateway_key, model=self.models[job.runtime])
+        launch: Launch = driver.plan(member_paths(dirs), gateway, resume)
+        proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
+        transport: Transport = proc.stream
+        if self.hooks.wrap_transport is not None:
+            transport = self.hooks.wrap_transport(transport, job.runtime)
+        session = driver.session(transport, launch)
+        resident = Resident(key=key, runtime=job.runtime, session=session, container_id=sandbox.container_id,
+                            pidfile=proc.pidfile,
+                            kill=lambda: self.manager.kill_group(proc.container_id, proc.pidfile),
+                            aclose=proc.stream.aclose)
+        self.pool.add(resident)
+        try:
+            with anyio.fail_after(self.handshake_timeout_s):
+                await session.handshake()
+        except HandshakeFailed as hf:
+            await self.pool.retire(key, f"handshake failed: {hf.reason.value}")
+            if resume is not None and hf.reason in (HandshakeReason.NATIVE_STATE_MISSING,
+                                                    HandshakeReason.LOCATOR_MISMATCH,
+                                                    HandshakeReason.HELPER_VERSION):
+                raise Refusal(hf.reason.value) from None
+            if hf.reason == HandshakeReason.HELPER_VERSION:
+                raise Refusal(hf.reason.value, status=ctx.status) from None
+            raise _NotStarted(f"handshake_{hf.reason.value}", hf.detail) from None
+        except TimeoutError:
+            await self.pool.retire(key, "handshake timeout")
+            raise _NotStarted("handshake_timeout", f"no handshake within {self.handshake_timeout_s}s") from None
+        except BaseException:
+            await self.pool.retire(key, "launch interrupted")
+            raise
+        ctx.cli_version = session.cli_version
+        return session
+
+    async def _run(self, ctx: TurnContext, key: tuple[str, str, str], session: NativeSession) -> Receipt:
+        job = ctx.job
+        if ctx.status == ContextStatus.NEW:
+            expected = session.expected or session.locator  # what the NEW handshake established
+        else:
+            expected = to_locator(ctx.member.locator)
+
+        def forward(event: Any) -> None:
+            ctx.emit({"type": "event", **event.model_dump(exclude={"raw"})})
+
+        t = time.monotonic()
+        outcome: Settlement | NotSettled
+        try:
+            # The driver enforces the turn timeout itself (native interrupt first); this outer
+            # scope only guards against a driver that fails to.
+            with anyio.move_on_after(self.turn_timeout_s + 30) as watchdog:
+                outcome = await session.run_turn(job.message, emit=forward, timeout_s=self.turn_timeout_s)
+            if watchdog.cancelled_caught:
+                from drivers.models import NotSettledReason
+
+                outcome = NotSettled(reason=NotSettledReason.TIMEOUT, detail="runner watchdog")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.pool.retire(key, "turn cancelled")
+                receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason="cancelled")
+                await self._commit(receipt, None)
+            raise
+        ctx.timings.turn = ctx.ms_since(t)
+        if self.pool.get(key) is not None:
+            self.pool.get(key).last_used = time.monotonic()
+        if isinstance(outcome, NotSettled):
+            await self.pool.retire(key, f"not settled: {outcome.reason.value}")
+            receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason=outcome.reason.value, text=outcome.assistant_text,
+                                    detail=outcome.detail)
+            return await self._commit(receipt, None)
+        observed = outcome.observed_locator
+        if expected is None and ctx.status == ContextStatus.NEW:
+            expected = observed  # the CLI minted it; nothing earlier to compare against
+        if observed is None or expected is None or observed != expected:
+            # Identity rule 1: a continuation reporting another id fails; nothing is saved.
+            await self.pool.retire(key, "identity mismatch")
+            detail = f"expected {expected}, CLI reported {observed}"
+            receipt = self._receipt(ctx, Outcome.FAILED, reason=FailureReason.IDENTITY_MISMATCH.value,
+                                    settlement=outcome.model_copy(update={"detail": detail}),
+                                    text=outcome.assistant_text)
+            return await self._commit(receipt, None)
+        session.locator = observed
+        result = Outcome.FAILED if outcome.is_error else Outcome.SUCCEEDED
+        reason = (outcome.reason.value if outcome.reason else "api_error") if outcome.is_error else None
+        receipt = self._receipt(ctx, result, reason=reason, settlement=outcome, text=outcome.assistant_text,
+                                locator_after=observed.id)
+        receipt = await self._commit(receipt, observed)
+        if outcome.retire_after and not self.hooks.disable_retire_after:
+            # SPEC section 6: after a Claude api_retry, save the verified locator, then retire.
+            await self.pool.retire(key, "retire_after (api_retry seen)")
+        return receipt
+
+
+class _NotStarted(Exception):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail

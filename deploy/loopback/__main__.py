@@ -1,0 +1,41 @@
+"""``python -m deploy.loopback [--host 127.0.0.1] [--port 0] [--record FILE.jsonl] [--script FILE.json]``
+
+Prints ``loopback listening on http://HOST:PORT`` as its first stdout line, then serves until
+SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from runner.logs import configure_logging
+
+from .server import LoopbackFixture
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.loopback", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="a loopback address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="0 = an ephemeral port")
+    parser.add_argument("--record", metavar="FILE.jsonl", help="append every request to this JSONL file")
+    parser.add_argument("--script", metavar="FILE.json", help='behaviour script: {"rules": [...]}')
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    configure_logging(level=args.log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    fx = LoopbackFixture.start(args.host, args.port, record_path=args.record, script=args.script)
+    print(f"loopback listening on {fx.base_url}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        fx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The host daemon's HTTP API (SPEC section 10), a Starlette app.
+
+Every route but /healthz requires ``Authorization: Bearer <service token>`` (constant-time
+compare). Another user's chat, job or member answers exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from runner.jobs import ID_PATTERN, ForkRequest, Job
+from runner.openapi import openapi_document
+from runner.supervisor import Supervisor
+
+NDJSON = "application/x-ndjson"
+_ID = re.compile(ID_PATTERN)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error(status: int, code: str, detail: Any = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": code}
+    if detail is not None:
+        body["detail"] = detail
+    return JSONResponse(body, status_code=status)
+
+
+def validation_error(exc: ValidationError) -> JSONResponse:
+    fields = []
+    for e in exc.errors(include_url=False, include_input=False):
+        loc = ".".join(str(p) for p in e["loc"]) or "body"
+        fields.append({"field": loc, "message": e["msg"], "type": e["type"]})
+    return error(422, "invalid_request", fields)
+
+
+def path_ids(request: Request, *names: str) -> tuple[str, ...] | JSONResponse:
+    bad = [{"field": n, "message": f"must match {ID_PATTERN}", "type": "string_pattern_mismatch"}
+           for n in names if not _ID.match(request.path_params[n]) or ".." in request.path_params[n]]
+    if bad:
+        return error(422, "invalid_request", bad)
+    return tuple(request.path_params[n] for n in names)
+
+
+def ndjson_line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+class Api:
+    def __init__(self, supervisor: Supervisor, token: SecretStr | None, *, max_message_bytes: int,
+                 attestation: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 readiness: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+        self.sup = supervisor
+        self.token = token
+        self.max_message_bytes = max_message_bytes
+        self.attestation = attestation
+        self.readiness = readiness
+
+    # -- auth ------------------------------------------------------------------------------------
+
+    def authorized(self, request: Request) -> bool:
+        if self.token is None:
+            return True  # loopback-only development mode (refused at start otherwise)
+        header = request.headers.get("authorization", "")
+        scheme, _, presented = header.partition(" ")
+        expected = self.token.get_secret_value().encode()
+        # compare_digest on equal-length inputs; a different length still costs the same compare
+        ok = hmac.compare_digest(presented.strip().encode(), expected)
+        return scheme.lower() == "bearer" and ok
+
+    def guard(self, handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            if not self.authorized(request):
+                return error(401, "unauthorized")
+            return await handler(request)
+
+        return wrapped
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    async def post_job(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error(422, "invalid_request", [{"field": "body", "message": "not JSON", "type": "json_invalid"}])
+        if not isinstance(body, dict):
+            return error(422, "invalid_request", [{"field": "body", "message": "must be an object", "type": "type"}])
+        try:
+            job = Job.model_validate(body)
+        except ValidationError as exc:
+            return validation_error(exc)
+        if len(job.message.encode()) > self.max_message_bytes:
+            return error(422, "invalid_request", [{"field": "message", "type": "too_long",
+                                                   "message": f"over {self.max_message_bytes} bytes"}])
+        sub = await self.sup.submit(job)
+        if sub.kind == "conflict":
+            return error(409, "job_conflict", "this job_id was used with another body")
+        if sub.kind == "running":
+            return error(409, "job_running", "this job_id is still running")
+        if sub.kind == "done":
+            assert sub.receipt is not None
+            line = ndjson_line({"type": "receipt", "receipt": sub.receipt.model_dump(mode="json")})
+            return Response(line, media_type=NDJSON, headers={"x-job-replayed": "true"})
+        events = sub.events
+        assert events is not None
+
+        async def stream() -> AsyncIterator[bytes]:
+            async with events:
+                async for ev in events:
+                    yield ndjson_line(ev)
+
+        return StreamingResponse(stream(), media_type=NDJSON)
+
+    async def get_job(self, request: Request) -> Response:
+        user_id = request.query_params.get("user_id", "")
+        job_id = request.path_params["job_id"]
+        bad = [{"field": f, "message": f"must match {ID_PATTERN}", "type": "string_pattern_mismatch"}
+               for f, v in (("job_id", job_id), ("user_id", user_id)) if not _ID.match(v)]
+        if bad:
+            return error(422, "invalid_request", bad)
+        result = await self.sup.get_receipt(job_id, user_id)
+        if result is None:
+            return error(404, "not_found")
+        if result == "running":
+            return JSONResponse({"job_id": job_id, "status": "running"}, status_code=202)
+        return JSONResponse(result.model_dump(mode="json"))
+
+    async def chat_status(self, request: Request) -> Response:
+        ids = path_ids(request, "user_id", "chat_id")
+        if isinstance(ids, JSONResponse):
+            return ids
+        status = await self.sup.chat_status(*ids)
+        return error(404, "not_found") if status is None else JSONResponse(status)
+
+    async def stop_chat(self, request: Request) -> Response:
+        ids = path_ids(request, "user_id", "chat_id")
+        if isinstance(ids, JSONResponse):
+            return ids
+        if await self.sup.chat_status(*ids) is None:
+            return error(404, "not_found")
+        return JSONResponse({"stopped": await self.sup.stop_chat(*ids)})
+
+    async def retire_member(self, request: Request) -> Response:
+        ids = path_ids(request, "user_id", "chat_id", "member_id")
+        if isinstance(ids, JSONResponse):
+            return ids
+        result = await self.sup.retire_member(*ids)
+        return error(404, "not_found") if result is None else JSONResponse({"retired": result})
+
+    async def fork_member(self, request: Request) -> Response:
+        ids = path_ids(request, "user_id", "chat_id", "member_id")
+        if isinstance(ids, JSONResponse):
+            return ids
+        try:
+            req = ForkRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return validation_error(exc)
+        fork = getattr(self.sup, "fork_member", None)
+        if fork is None:
+            return error(501, "not_implemented", "fork is not supported yet")
+        return await fork(*ids, req)
+
+    async def attest(self, request: Request) -> Response:
+        if self.attestation is None:
+            return error(501, "not_implemented")
+        return JSONResponse(await self.attestation())
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    async def readyz(self, request: Request) -> Response:
+        reasons = await self.readiness() if self.readiness else []
+        return JSONResponse({"ready": not reasons, "reasons": reasons}, status_code=503 if reasons else 200)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document())
+
+    def routes(self) -> list[Route]:
+        g = self.guard
+        base = "/v1/users/{user_id}/chats/{chat_id}"
+        return [
+            Route("/v1/jobs", g(self.post_job), methods=["POST"]),
+            Route("/v1/jobs/{job_id}", g(self.get_job), methods=["GET"]),
+            Route(base, g(self.chat_status), methods=["GET"]),
+            Route(f"{base}/stop", g(self.stop_chat), methods=["POST"]),
+            Route(f"{base}/members/{{member_id}}/retire", g(self.retire_member), methods=["POST"]),
+            Route(f"{base}/members/{{member_id}}/fork", g(self.fork_member), methods=["POST"]),
+            Route("/v1/attestation", g(self.attest), methods=["GET"]),
+            Route("/openapi.json", g(self.openapi), methods=["GET"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/readyz", g(self.readyz), methods=["GET"]),
+        ]
+
+
+def create_app(api: Api, lifespan: Any = None) -> Starlette:
+    return Starlette(routes=api.routes(), lifespan=lifespan)

@@ -1,0 +1,66 @@
+"""The daemon's OpenAPI document, generated from the pydantic models (stable: sorted keys)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from runner.jobs import ID_PATTERN, ForkRequest, Job
+from runner.receipts import Receipt
+
+API_VERSION = "1"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+@lru_cache(maxsize=1)
+def openapi_document() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in (Job, Receipt, ForkRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    err = {"type": "object", "properties": {"error": {"type": "string"}, "detail": {}}, "required": ["error"]}
+    schemas["Error"] = err
+    ids = {"in": "path", "required": True, "schema": {"type": "string", "pattern": ID_PATTERN}}
+    chat = [dict(ids, name="user_id"), dict(ids, name="chat_id")]
+    member = chat + [dict(ids, name="member_id")]
+    e = {"application/json": {"schema": _ref("Error")}}
+    paths: dict[str, Any] = {
+        "/v1/jobs": {"post": {
+            "summary": "Run a job; streams events as NDJSON, the last line is {type: receipt, receipt}",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Job")}}},
+            "responses": {"200": {"description": "event stream", "content": {"application/x-ndjson": {}}},
+                          "401": {"description": "no or wrong service token", "content": e},
+                          "409": {"description": "job_running or job_conflict", "content": e},
+                          "422": {"description": "invalid body, naming the fields", "content": e}}}},
+        "/v1/jobs/{job_id}": {"get": {
+            "summary": "A job's receipt, only to its owner",
+            "parameters": [dict(ids, name="job_id"), {"in": "query", "name": "user_id", "required": True,
+                                                      "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "receipt", "content": {"application/json": {"schema": _ref("Receipt")}}},
+                          "202": {"description": "still running"}, "404": {"description": "not found", "content": e}}}},
+        "/v1/users/{user_id}/chats/{chat_id}": {"get": {"summary": "Sandbox state, members, last receipts",
+                                                        "parameters": chat, "responses": {"200": {"description": "status"}, "404": {"description": "not found"}}}},
+        "/v1/users/{user_id}/chats/{chat_id}/stop": {"post": {"summary": "Idle-stop the sandbox (writable layer kept)",
+                                                              "parameters": chat, "responses": {"200": {"description": "stopped"}}}},
+        "/v1/users/{user_id}/chats/{chat_id}/members/{member_id}/retire": {"post": {
+            "summary": "Retire the resident process (next turn RESTORED)", "parameters": member,
+            "responses": {"200": {"description": "retired"}, "404": {"description": "not found"}}}},
+        "/v1/users/{user_id}/chats/{chat_id}/members/{member_id}/fork": {"post": {
+            "summary": "A new member whose native session is a fork", "parameters": member,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ForkRequest")}}},
+            "responses": {"200": {"description": "forked"}, "404": {"description": "not found"}}}},
+        "/v1/attestation": {"get": {"summary": "Host attestation document", "responses": {"200": {"description": "attestation"}}}},
+        "/healthz": {"get": {"summary": "Liveness (no token)", "security": [], "responses": {"200": {"description": "ok"}}}},
+        "/readyz": {"get": {"summary": "Readiness with named reasons", "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Cloud Agent session supervisor", "version": API_VERSION},
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": paths,
+    }

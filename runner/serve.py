@@ -1,0 +1,89 @@
+"""`cloud-agent serve`: the host daemon (HTTP API + supervisor), one process."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+
+from runner.config import Settings
+from runner.daemon import Api, create_app
+from runner.supervisor import Supervisor, build_supervisor
+from runner.turn import TestHooks
+
+log = structlog.get_logger("serve")
+
+
+class StartupRefused(RuntimeError):
+    pass
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class Daemon:
+    """The daemon's parts, for tests that run it in-process."""
+
+    settings: Settings
+    gateway_url: str
+    supervisor: Supervisor
+    app: Starlette
+    fixture: Any = None
+
+
+def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture: Any = None) -> Daemon:
+    token = settings.service_token()
+    if token is None:
+        if not settings.dev_mode:
+            raise StartupRefused("no service token: set CLOUD_AGENT_SERVICE_TOKEN_FILE "
+                                 "(or CLOUD_AGENT_DEV_MODE=1 for loopback-only development)")
+        if not is_loopback(settings.listen_host):
+            raise StartupRefused(f"development mode without a token only listens on loopback, not "
+                                 f"{settings.listen_host}")
+    gateway_url = settings.gateway_url
+    if gateway_url is None:
+        if fixture is None:
+            from deploy.loopback import LoopbackFixture
+
+            fixture = LoopbackFixture.start(record_path=str(settings.home / "loopback-requests.jsonl"))
+            log.info("gateway.embedded_fixture", url=fixture.base_url)
+        gateway_url = fixture.base_url
+    supervisor = build_supervisor(settings, gateway_url, hooks=hooks)
+
+    from runner.attestation import Attestor
+
+    attestor = Attestor(settings, supervisor)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with supervisor.running(), attestor.running():
+            log.info("daemon.ready", listen=f"{settings.listen_host}:{settings.listen_port}", gateway=gateway_url,
+                     owner=supervisor.owner)
+            yield
+        if fixture is not None and settings.gateway_url is None:
+            fixture.close()
+
+    api = Api(supervisor, token, max_message_bytes=settings.max_message_bytes,
+              attestation=attestor.document, readiness=attestor.readiness)
+    return Daemon(settings=settings, gateway_url=gateway_url, supervisor=supervisor,
+                  app=create_app(api, lifespan=lifespan), fixture=fixture)
+
+
+def serve(settings: Settings) -> None:
+    daemon = build_daemon(settings)
+    config = uvicorn.Config(daemon.app, host=settings.listen_host, port=settings.listen_port, log_config=None,
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=10)
+    uvicorn.Server(config).run()

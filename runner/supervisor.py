@@ -1,0 +1,284 @@
+"""The supervisor: owns the engine connection, the store, the resident processes and the
+background work, and runs jobs behind the job fence.
+
+Structured concurrency: every job and every maintenance loop runs in the supervisor's
+task group, which the daemon's lifespan (or a library caller) owns. A client that stops
+listening does not cancel its job; the receipt stays fetchable by job id.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from images.build import carries_bridge, image_tag
+from images.pins import load_pins
+from runner.config import Settings
+from runner.jobs import Job
+from runner.receipts import Outcome, Receipt
+from runner.residents import ResidentPool
+from runner.turn import TestHooks, TurnRunner
+from sandbox_manager.engine import DockerEngine, Engine
+from sandbox_manager.records import SandboxState
+from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from sandbox_manager.store import Store
+
+log = structlog.get_logger("supervisor")
+
+
+@dataclass
+class Submission:
+    kind: Literal["started", "done", "running", "conflict"]
+    receipt: Receipt | None = None
+    events: MemoryObjectReceiveStream[dict[str, Any]] | None = None
+
+
+@dataclass
+class Heartbeat:
+    interval_s: float
+    last_beat: datetime | None = None
+    beats: int = 0
+
+
+@dataclass
+class _Job:
+    job: Job
+    send: MemoryObjectSendStream[dict[str, Any]]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    receipt: Receipt | None = None
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, *, engine: Engine, store: Store, manager: SandboxManager,
+                 gateway_url: str, hooks: TestHooks | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+        self.manager = manager
+        self.gateway_url = gateway_url
+        self.owner = uuid.uuid4().hex
+        self.pool = ResidentPool()
+        self.hooks = hooks or TestHooks()
+        self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, gateway_url=gateway_url,
+                                 gateway_key=settings.gateway_key(), models=settings.models,
+                                 turn_timeout_s=settings.turn_timeout_s,
+                                 handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks)
+        self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
+        self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._tg: TaskGroup | None = None
+        self.started_at = datetime.now(UTC)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """After a restart: jobs a dead daemon left running never ran to commit; close them
+        as not_settled (never re-run: the CLI may already have sent the message), and kill
+        CLI processes the dead daemon left in retained sandboxes."""
+        for rec in await self.store.running_jobs(not_owner=self.owner):
+            member = await self.store.get_member(rec.user_id, rec.chat_id, rec.member_id)
+            now = datetime.now(UTC)
+            receipt = Receipt(job_id=rec.job_id, user_id=rec.user_id, chat_id=rec.chat_id, member_id=rec.member_id,
+                              runtime=member.runtime if member else "unknown", context_status=None,
+                              outcome=Outcome.NOT_SETTLED, reason="daemon_restarted",
+                              locator_before=member.locator.id if member and member.locator else None,
+                              locator_after=member.locator.id if member and member.locator else None,
+                              started_at=rec.created_at, finished_at=now)
+            await self.store.finish_job(rec.job_id, receipt.model_dump_json(), None)
+            log.warning("job.abandoned", job_id=rec.job_id, owner=rec.owner)
+        try:
+            n = await self.manager.reap_orphans()
+        except Exception as exc:  # noqa: BLE001 - the engine may be down; readiness says so
+            log.warning("reap_orphans.failed", error=repr(exc))
+            n = 0
+        if n:
+            log.info("orphans.reaped", groups=n)
+
+    async def _beat_loop(self) -> None:
+        while True:
+            self.heartbeat.last_beat = datetime.now(UTC)
+            self.heartbeat.beats += 1
+            await anyio.sleep(self.heartbeat.interval_s)
+
+    async def _idle_loop(self) -> None:
+        """Retire idle resident processes; stop idle sandboxes (writable layer kept)."""
+        period = max(1.0, min(self.settings.resident_idle_s, self.settings.idle_stop_s) / 4)
+        while True:
+            await anyio.sleep(period)
+            now = time.monotonic()
+            await self.pool.retire_where(
+                lambda r: now - r.last_used > self.settings.resident_idle_s and not self._busy(r.key), "idle")
+            for rec in await self.store.list_sandboxes(SandboxState.RUNNING):
+                idle = (datetime.now(UTC) - rec.last_used_at).total_seconds()
+                chat = (rec.user_id, rec.chat_id)
+                if idle > self.settings.idle_stop_s and not any(self._busy(k) for k in self._locks if k[:2] == chat):
+                    await self.pool.retire_where(lambda r, c=chat: r.key[:2] == c, "sandbox idle stop")
+                    await self.manager.stop(*chat)
+
+    def _busy(self, key: tuple[str, str, str]) -> bool:
+        lock = self._locks.get(key)
+        return lock is not None and lock.locked()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator["Supervisor"]:
+        await self.recover()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._beat_loop)
+            tg.start_soon(self._idle_loop)
+            try:
+                yield self
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._drain_jobs()
+                    await self.pool.retire_all("daemon shutdown")
+                tg.cancel_scope.cancel()
+        self._tg = None
+
+    async def _drain_jobs(self, timeout_s: float = 5.0) -> None:
+        with anyio.move_on_after(timeout_s):
+            for j in list(self._jobs.values()):
+                await j.done.wait()
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def _lock(self, key: tuple[str, str, str]) -> anyio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = anyio.Lock()
+        return lock
+
+    async def submit(self, job: Job) -> Submission:
+        if self._tg is None:
+            raise RuntimeError("supervisor is not running")
+        claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(),
+                                           self.owner)
+        if claim.kind == "conflict":
+            return Submission("conflict")
+        if claim.kind == "done":
+            assert claim.job is not None and claim.job.receipt_json is not None
+            return Submission("done", receipt=Receipt.model_validate_json(claim.job.receipt_json))
+        if claim.kind == "running":
+            return Submission("running")
+        send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+        entry = _Job(job=job, send=send)
+        self._jobs[job.job_id] = entry
+        self._tg.start_soon(self._run_job, entry)
+        return Submission("started", events=receive)
+
+    async def _run_job(self, entry: _Job) -> None:
+        job = entry.job
+
+        def emit(event: dict[str, Any]) -> None:
+            try:
+                entry.send.send_nowait(event)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the client left; the job goes on
+
+        try:
+            async with self._lock((job.user_id, job.chat_id, job.member_id)):
+                receipt = await self.runner.execute(job, emit)
+            entry.receipt = receipt
+            emit({"type": "receipt", "receipt": receipt.model_dump(mode="json")})
+        except Exception as exc:  # noqa: BLE001 - a bug must not take the daemon down
+            log.exception("job.crashed", job_id=job.job_id, error=repr(exc))
+            emit({"type": "error", "error": "internal_error", "detail": type(exc).__name__})
+        finally:
+            entry.done.set()
+            entry.send.close()
+            self._jobs.pop(job.job_id, None)
+
+    async def run_job(self, job: Job) -> tuple[Receipt | None, list[dict[str, Any]], str]:
+        """Library call: dispatch and wait. Returns (receipt, events, submission kind)."""
+        sub = await self.submit(job)
+        if sub.kind != "started":
+            return sub.receipt, [], sub.kind
+        events: list[dict[str, Any]] = []
+        assert sub.events is not None
+        async with sub.events:
+            async for ev in sub.events:
+                events.append(ev)
+        receipt = next((Receipt.model_validate(e["receipt"]) for e in events if e.get("type") == "receipt"), None)
+        return receipt, events, sub.kind
+
+    async def get_receipt(self, job_id: str, user_id: str) -> Receipt | Literal["running"] | None:
+        rec = await self.store.get_job(job_id)
+        if rec is None or rec.user_id != user_id:
+            return None  # another user's job is indistinguishable from a missing one
+        if rec.receipt_json is None:
+            return "running"
+        return Receipt.model_validate_json(rec.receipt_json)
+
+    # -- chat operations ------------------------------------------------------------------------
+
+    async def chat_status(self, user_id: str, chat_id: str) -> dict[str, Any] | None:
+        sb = await self.store.get_sandbox(user_id, chat_id)
+        members = await self.store.list_members(user_id, chat_id)
+        if sb is None and not members:
+            return None
+        receipts = [Receipt.model_validate_json(r).model_dump(mode="json")
+                    for r in await self.store.recent_receipts(user_id, chat_id)]
+        return {
+            "user_id": user_id, "chat_id": chat_id,
+            "sandbox": None if sb is None else {
+                "state": sb.state.value, "lost_reason": sb.lost_reason, "container_id": sb.container_id,
+                "container_name": sb.container_name, "image_id": sb.image_id,
+                "last_used_at": sb.last_used_at.isoformat(),
+            },
+            "members": [{
+                "member_id": m.member_id, "runtime": m.runtime,
+                "locator": None if m.locator is None else m.locator.model_dump(),
+                "settled_turns": m.settled_turns, "last_status": m.last_status, "last_outcome": m.last_outcome,
+                "resident": self.pool.is_resident((user_id, chat_id, m.member_id)),
+                "forked_from": m.forked_from,
+            } for m in members],
+            "last_receipts": receipts,
+        }
+
+    async def stop_chat(self, user_id: str, chat_id: str) -> bool:
+        chat_keys = [k for k in self._locks if k[:2] == (user_id, chat_id)]
+        sb = await self.store.get_sandbox(user_id, chat_id)
+        if sb is None:
+            return False
+        async with _all_locks([self._lock(k) for k in chat_keys]):
+            await self.pool.retire_where(lambda r: r.key[:2] == (user_id, chat_id), "chat stop")
+            return await self.manager.stop(user_id, chat_id)
+
+    async def retire_member(self, user_id: str, chat_id: str, member_id: str) -> bool | None:
+        if await self.store.get_member(user_id, chat_id, member_id) is None:
+            return None
+        key = (user_id, chat_id, member_id)
+        async with self._lock(key):
+            return await self.pool.retire(key, "retire requested")
+
+
+@asynccontextmanager
+async def _all_locks(locks: list[anyio.Lock]) -> AsyncIterator[None]:
+    async with AsyncExitStack() as stack:
+        for lock in locks:
+            await stack.enter_async_context(lock)
+        yield
+
+
+def build_supervisor(settings: Settings, gateway_url: str, *, hooks: TestHooks | None = None,
+                     engine: Engine | None = None) -> Supervisor:
+    engine = engine or DockerEngine(settings.docker_url)
+    store = Store(settings.store_path)
+    image = settings.image or image_tag()
+    cfg = SandboxConfig(image=image, network=settings.network_for(gateway_url),
+                        host_id=settings.resolved_host_id(), memory_bytes=settings.memory_bytes,
+                        pids_limit=settings.pids_limit, nano_cpus=settings.nano_cpus,
+                        require_helper=carries_bridge(load_pins()))
+    manager = SandboxManager(engine, store, cfg)
+    return Supervisor(settings, engine=engine, store=store, manager=manager, gateway_url=gateway_url, hooks=hooks)

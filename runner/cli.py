@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cloud-agent serve: {exc}", file=sys.stderr)
             return EXIT_ERROR
         return 0
-    configure_logging()
+    configure_logging(json=False if args.command == "demo" else None)
     if args.command == "image":
         from images.build import main as build_main
 

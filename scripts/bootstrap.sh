@@ -1,0 +1,37 @@
+# Sourced by scripts/demo and scripts/test: everything a fresh Debian 12 machine needs.
+#   Python deps (uv, the locked venv) -> the Docker engine -> the pinned sandbox image.
+# Each step says its name and duration; a failure names the step.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+UV_VERSION="0.13.9"
+TOOLS="${CLOUD_AGENT_TOOLS:-$HOME/.cache/cloud-agent/tools}"
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+fail() { printf 'bootstrap failed at step "%s": %s\n' "$1" "$2" >&2; exit 1; }
+timed() {  # timed NAME CMD...
+  local name="$1"; shift
+  local t0=$SECONDS
+  step "$name"
+  "$@" || fail "$name" "exit $?"
+  printf '    %s: %ss\n' "$name" "$((SECONDS - t0))" >&2
+}
+
+ensure_uv() {
+  if command -v uv >/dev/null 2>&1; then UV=uv; return; fi
+  if [ -x "$TOOLS/bin/uv" ]; then UV="$TOOLS/bin/uv"; return; fi
+  if ! python3 -m venv --help >/dev/null 2>&1; then
+    [ "$(id -u)" = 0 ] || fail "python venv" "python3-venv is missing and we are not root to install it"
+    apt-get update -q && apt-get install -y -q python3-venv python3-pip || fail "python venv" "apt-get install python3-venv failed"
+  fi
+  python3 -m venv "$TOOLS" || fail "uv" "cannot create $TOOLS"
+  "$TOOLS/bin/pip" install -q "uv==$UV_VERSION" || fail "uv" "pip install uv==$UV_VERSION failed"
+  UV="$TOOLS/bin/uv"
+}
+
+ensure_uv
+timed "python deps (uv sync)" "$UV" sync --frozen --quiet
+timed "docker engine" "$UV" run --frozen python -m deploy.engine
+timed "sandbox image" "$UV" run --frozen python -m images.build
+export UV

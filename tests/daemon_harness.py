@@ -1,0 +1,132 @@
+"""Run the real daemon for tests: in-process (uvicorn on an ephemeral port in a task) or as
+a subprocess (`cloud-agent serve`, for kill -9 and restart tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import uvicorn
+
+from runner.config import Settings, load_settings
+from runner.serve import Daemon, build_daemon
+from runner.turn import TestHooks
+
+TOKEN = "test-service-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def daemon_settings(home: Path, gateway_url: str, image: str, **overrides: Any) -> Settings:
+    token_file = home / "token"
+    home.mkdir(parents=True, exist_ok=True)
+    token_file.write_text(TOKEN + "\n")
+    env = {"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_GATEWAY_URL": gateway_url, "CLOUD_AGENT_IMAGE": image,
+           "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(token_file), "CLOUD_AGENT_SANDBOX_NETWORK": "host",
+           "CLOUD_AGENT_HOST_ID": f"test-{home.name}"}
+    return load_settings(env, **overrides)
+
+
+@dataclass
+class RunningDaemon:
+    daemon: Daemon
+    url: str
+    client: httpx.AsyncClient
+
+    async def run(self, job: dict[str, Any]) -> tuple[dict[str, Any] | None, list[dict[str, Any]], httpx.Response]:
+        """POST a job; return (receipt, events, response)."""
+        events: list[dict[str, Any]] = []
+        async with self.client.stream("POST", "/v1/jobs", json=job) as resp:
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    events.append(json.loads(line))
+        receipt = next((e["receipt"] for e in events if e.get("type") == "receipt"), None)
+        return receipt, events, resp
+
+
+@asynccontextmanager
+async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None) -> AsyncIterator[RunningDaemon]:
+    port = free_port()
+    settings = settings.model_copy(update={"listen_port": port})
+    daemon = build_daemon(settings, hooks=hooks)
+    config = uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None, access_log=False,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        with anyio.fail_after(60):
+            while not server.started:
+                await anyio.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {TOKEN}"},
+                                     timeout=httpx.Timeout(600, connect=10)) as client:
+            try:
+                yield RunningDaemon(daemon=daemon, url=url, client=client)
+            finally:
+                server.should_exit = True
+
+
+@dataclass
+class DaemonProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextmanager
+def daemon_process(home: Path, gateway_url: str, image: str, *, port: int | None = None) -> Iterator[DaemonProcess]:
+    port = port or free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "token").write_text(TOKEN + "\n")
+    env = dict(os.environ, CLOUD_AGENT_HOME=str(home), CLOUD_AGENT_GATEWAY_URL=gateway_url, CLOUD_AGENT_IMAGE=image,
+               CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"), CLOUD_AGENT_SANDBOX_NETWORK="host",
+               CLOUD_AGENT_HOST_ID=f"test-{home.name}", CLOUD_AGENT_LISTEN_PORT=str(port))
+    log_path = home / f"daemon-{port}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    dp = DaemonProcess(proc, url, log_path)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"daemon did not start: {log_path.read_text()[-2000:]}")
+        time.sleep(0.1)
+    try:
+        yield dp
+    finally:
+        dp.terminate()

@@ -241,7 +241,7 @@ class Supervisor:
                 "locator": None if m.locator is None else m.locator.model_dump(),
                 "settled_turns": m.settled_turns, "last_status": m.last_status, "last_outcome": m.last_outcome,
                 "resident": self.pool.is_resident((user_id, chat_id, m.member_id)),
-                "forked_from": m.forked_from,
+                "forked_from": m.forked_from, "lost_reason": m.lost_reason,
             } for m in members],
             "last_receipts": receipts,
         }

@@ -59,10 +59,17 @@ def to_saved(loc: Locator) -> SavedLocator:
 
 
 class Refusal(Exception):
-    def __init__(self, reason: str, status: ContextStatus | None = ContextStatus.LOST) -> None:
+    """Execution refused before any message reached a CLI.
+
+    ``sticky``: the member's native state is lost for good (a LOST member stays LOST); a job
+    that merely names the wrong locator is refused without condemning the member.
+    """
+
+    def __init__(self, reason: str, status: ContextStatus | None = ContextStatus.LOST, *, sticky: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.sticky = sticky and status == ContextStatus.LOST
 
 
 @dataclass
@@ -144,8 +151,8 @@ class TurnRunner:
         except Refusal as r:
             ctx.status = r.status
             receipt = self._receipt(ctx, Outcome.REFUSED, reason=r.reason)
-            if r.status == ContextStatus.LOST and ctx.member is not None:
-                await self.store.set_member_status(*key, ContextStatus.LOST.value)
+            if r.sticky and ctx.member is not None:
+                await self.store.mark_member_lost(*key, r.reason)
             return await self._commit(receipt, None)
         except _NotStarted as ns:
             return await self._commit(self._receipt(ctx, Outcome.NOT_SETTLED, reason=ns.reason, detail=ns.detail),
@@ -158,13 +165,13 @@ class TurnRunner:
         member = await self.store.get_member(*key)
         ctx.member = member
         if member is not None and member.runtime != job.runtime:
-            raise Refusal("runtime_mismatch", status=None)
+            raise Refusal("runtime_mismatch", status=None, sticky=False)
         saved = member.locator if member else None
         # Identity rule 2: a requested locator must equal the saved one; checked before launch.
         if job.locator is not None and (saved is None or job.locator != saved.id):
-            raise Refusal("locator_mismatch")
-        if member is not None and member.last_status == ContextStatus.LOST.value:
-            raise Refusal("member_lost")
+            raise Refusal("locator_mismatch", sticky=False)
+        if member is not None and member.lost_reason is not None:
+            raise Refusal("previously_lost")  # a LOST member stays LOST
         # Identity rule 3: settled turns but no resume locator.
         if member is not None and member.settled_turns > 0 and saved is None:
             raise Refusal("member_locator_missing")

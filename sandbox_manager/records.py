@@ -51,6 +51,7 @@ class MemberRecord(BaseModel):
     last_status: str | None = None  # NEW / LIVE / RESTORED / LOST of the last turn
     last_outcome: str | None = None
     forked_from: str | None = None  # member_id this one was forked from
+    lost_reason: str | None = None  # set once: a LOST member stays LOST
     created_at: datetime
     updated_at: datetime
 

@@ -58,6 +58,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX jobs_by_chat ON jobs (user_id, chat_id, finished_at);
     """,
+    # 2: a LOST member stays LOST, independently of the status of its last turn
+    """
+    ALTER TABLE members ADD COLUMN lost_reason TEXT;
+    """,
 ]
 
 
@@ -232,10 +236,12 @@ class Store:
 
         return await self._run(lambda db: self._tx(db, q))
 
-    async def set_member_status(self, user_id: str, chat_id: str, member_id: str, status: str) -> None:
+    async def mark_member_lost(self, user_id: str, chat_id: str, member_id: str, reason: str) -> None:
+        """Its native state cannot be established any more: every later turn is refused."""
+
         def q(db: sqlite3.Connection) -> None:
-            db.execute("UPDATE members SET last_status=?, updated_at=? WHERE user_id=? AND chat_id=? AND member_id=?",
-                       (status, now().isoformat(), user_id, chat_id, member_id))
+            db.execute("UPDATE members SET lost_reason=?, updated_at=? WHERE user_id=? AND chat_id=? AND member_id=?"
+                       " AND lost_reason IS NULL", (reason, now().isoformat(), user_id, chat_id, member_id))
 
         await self._run(q)
 

@@ -1,0 +1,223 @@
+"""Issue 5 acceptance, runtime-independent cases (driven with Codex, the fastest CLI to start):
+LOST refusals, daemon restart, the job fence, kill -9 mid-turn, bad input."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import anyio
+import httpx
+import pytest
+
+from deploy.loopback import LoopbackFixture, stall
+from sandbox_manager.sandboxes import LABEL_IDENTITY
+from sandbox_manager.store import Store
+from tests.daemon_harness import TOKEN, daemon_process, daemon_settings, running_daemon
+from tests.supervisor_helpers import Chat, assert_model_saw, high_water
+
+pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
+RUNTIME = "codex"
+
+
+@pytest.fixture
+def fx():
+    with LoopbackFixture.start() as fixture:
+        yield fixture
+
+
+async def two_turns(d, chat: Chat, fx) -> dict:
+    receipt = None
+    for msg in ("first question", "second question"):
+        chat.expect_turn(msg)
+        receipt, events, _ = await d.run(chat.job(msg))
+        assert receipt["outcome"] == "succeeded", events
+    return receipt
+
+
+async def assert_refused(d, fx, chat: Chat, reason: str, **job_extra) -> dict:
+    mark = high_water(fx)
+    receipt, _, resp = await d.run(chat.job("this must never reach a model", **job_extra))
+    assert resp.status_code == 200
+    assert (receipt["context_status"], receipt["outcome"], receipt["reason"]) == ("LOST", "refused", reason)
+    assert [r for r in fx.requests() if r.seq > mark] == [], "a refused turn must not reach the model"
+    return receipt
+
+
+async def test_lost_cases(fx, tmp_path, sandbox_image, docker_client) -> None:
+    async with running_daemon(daemon_settings(tmp_path / "home", fx.base_url, sandbox_image)) as d:
+        # labels tampered: the recorded container is replaced by one with forged identity labels
+        chat = Chat(RUNTIME)
+        last = await two_turns(d, chat, fx)
+        cid = last["sandbox"]["container_id"]
+        name = docker_client.containers.get(cid).name
+        image = docker_client.containers.get(cid).image.id
+        docker_client.api.remove_container(cid, force=True)
+        forged = docker_client.containers.create(image, name=name, init=True, labels={LABEL_IDENTITY: "forged"},
+                                                 network_mode="none")
+        store: Store = d.daemon.supervisor.store
+        rec = await store.get_sandbox(chat.user_id, chat.chat_id)
+        await store.put_sandbox(rec.model_copy(update={"container_id": forged.id}))
+        await assert_refused(d, fx, chat, "labels_mismatch")
+        await assert_refused(d, fx, chat, "previously_lost")  # LOST stays LOST
+        forged.remove(force=True)
+
+        # a member with settled turns whose locator was erased from the store
+        chat = Chat(RUNTIME)
+        last = await two_turns(d, chat, fx)
+        await store.erase_locator_for_test(chat.user_id, chat.chat_id, chat.member_id)
+        await d.client.post(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}/members/{chat.member_id}/retire")
+        await assert_refused(d, fx, chat, "member_locator_missing")
+
+        # a job naming a locator other than the saved one: rejected before any process starts
+        chat = Chat(RUNTIME)
+        last = await two_turns(d, chat, fx)
+        saved = last["locator_after"]
+        r = await assert_refused(d, fx, chat, "locator_mismatch", locator="01a20000-0000-7000-8000-000000000000")
+        assert r["locator_before"] == saved and r["locator_after"] == saved
+        # naming the saved locator explicitly works (and the member was not marked lost)
+        chat.expect_turn("third question")
+        mark = high_water(fx)
+        receipt, _, _ = await d.run(chat.job("third question", locator=saved))
+        assert (receipt["context_status"], receipt["outcome"]) == ("LIVE", "succeeded")
+        assert_model_saw(fx, mark, chat)
+
+
+async def test_daemon_restart_restores_with_full_history(fx, tmp_path, sandbox_image) -> None:
+    settings = daemon_settings(tmp_path / "home", fx.base_url, sandbox_image)
+    chat = Chat(RUNTIME)
+    async with running_daemon(settings) as d:
+        first = await two_turns(d, chat, fx)
+    async with running_daemon(settings) as d:
+        chat.expect_turn("after the daemon restarted")
+        mark = high_water(fx)
+        receipt, _, _ = await d.run(chat.job("after the daemon restarted"))
+        assert (receipt["context_status"], receipt["outcome"]) == ("RESTORED", "succeeded")
+        assert receipt["locator_after"] == first["locator_after"]
+        assert_model_saw(fx, mark, chat)
+
+
+async def test_duplicate_job_ids_sequential_and_concurrent(fx, tmp_path, sandbox_image) -> None:
+    async with running_daemon(daemon_settings(tmp_path / "home", fx.base_url, sandbox_image)) as d:
+        chat = Chat(RUNTIME)
+        chat.expect_turn("only once")
+        job = chat.job("only once")
+        first, _, _ = await d.run(job)
+        assert first["outcome"] == "succeeded"
+        n = len(fx.requests(kind="conversation"))
+        again, events, resp = await d.run(job)
+        assert again == first and len(events) == 1 and resp.headers.get("x-job-replayed") == "true"
+        assert len(fx.requests(kind="conversation")) == n
+        changed = dict(job, message="another body")
+        resp = await d.client.post("/v1/jobs", json=changed)
+        assert (resp.status_code, resp.json()["error"]) == (409, "job_conflict")
+        fetched = await d.client.get(f"/v1/jobs/{job['job_id']}", params={"user_id": chat.user_id})
+        assert fetched.json() == first
+
+        # 8 concurrent dispatches of one new job id: exactly one execution
+        chat.expect_turn("eight at once")
+        job = chat.job("eight at once")
+        n = len(fx.requests(kind="conversation"))
+        results: list[tuple[int, object]] = []
+
+        async def dispatch() -> None:
+            async with d.client.stream("POST", "/v1/jobs", json=job) as resp:
+                body = [json.loads(line) async for line in resp.aiter_lines() if line.strip()]
+                results.append((resp.status_code, body))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(dispatch)
+        assert len(fx.requests(kind="conversation")) == n + 1
+        ran = [b for s, b in results if s == 200]
+        busy = [b for s, b in results if s == 409]
+        assert len(ran) + len(busy) == 8
+        receipts = {json.dumps(b[-1]["receipt"], sort_keys=True) for b in ran}
+        assert len(receipts) == 1, "every 200 answer carries the one receipt"
+        assert all(b == [{"error": "job_running", "detail": "this job_id is still running"}] for b in busy)
+        jobs = [r for r in d.daemon.supervisor.store.raw_rows("jobs") if r["job_id"] == job["job_id"]]
+        assert len(jobs) == 1 and jobs[0]["state"] == "done"
+
+
+async def test_kill_9_mid_turn_leaves_whole_turn_or_none(fx, tmp_path, sandbox_image) -> None:
+    home = tmp_path / "home"
+    chat = Chat(RUNTIME)
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    with daemon_process(home, fx.base_url, sandbox_image) as dp:
+        async with httpx.AsyncClient(base_url=dp.url, headers=headers, timeout=120) as client:
+            for msg in ("before the crash",):
+                chat.expect_turn(msg)
+                resp = await client.post("/v1/jobs", json=chat.job(msg))
+                receipt = json.loads(resp.text.strip().splitlines()[-1])["receipt"]
+                assert receipt["outcome"] == "succeeded"
+            saved = receipt["locator_after"]
+            fx.add_rule(stall(60, match="during the crash"))
+            crash_job = chat.job("during the crash")
+
+            async def doomed() -> None:
+                try:
+                    await client.post("/v1/jobs", json=crash_job)
+                except httpx.HTTPError:
+                    pass
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(doomed)
+                await anyio.to_thread.run_sync(lambda: fx.wait_for(
+                    lambda rs: any("during the crash" in json.dumps(r.body) for r in rs), timeout=60))
+                dp.kill9()
+    # the store: the first turn whole, the crashed one not committed
+    db = sqlite3.connect(home / "store.db")
+    db.row_factory = sqlite3.Row
+    member = dict(db.execute("SELECT * FROM members").fetchone())
+    assert (member["settled_turns"], member["locator_id"]) == (1, saved)
+    job = dict(db.execute("SELECT * FROM jobs WHERE job_id=?", (crash_job["job_id"],)).fetchone())
+    assert (job["state"], job["receipt_json"]) == ("running", None)
+    db.close()
+    fx.set_rules([])
+    with daemon_process(home, fx.base_url, sandbox_image) as dp:
+        async with httpx.AsyncClient(base_url=dp.url, headers=headers, timeout=120) as client:
+            got = (await client.get(f"/v1/jobs/{crash_job['job_id']}", params={"user_id": chat.user_id})).json()
+            assert (got["outcome"], got["reason"]) == ("not_settled", "daemon_restarted")
+            # the same job id never runs again
+            resp = await client.post("/v1/jobs", json=crash_job)
+            assert json.loads(resp.text.strip())["receipt"]["reason"] == "daemon_restarted"
+            # the next turn restores the last verified locator; the crashed message is native
+            # history now (the CLI had sent it), which is the CLI's business, not replayed by us
+            mark = high_water(fx)
+            resp = await client.post("/v1/jobs", json=chat.job("after the crash"))
+            receipt = json.loads(resp.text.strip().splitlines()[-1])["receipt"]
+            assert (receipt["context_status"], receipt["outcome"]) == ("RESTORED", "succeeded")
+            assert receipt["locator_before"] == saved == receipt["locator_after"]
+            seen = [r for r in fx.requests(kind="conversation") if r.seq > mark][-1].conversation()
+            users = [m.text for m in seen if m.role == "user"]
+            assert users[0] == "before the crash" and users[-1] == "after the crash"
+
+
+@pytest.mark.parametrize(("patch", "field"), [
+    ({"runtime": "gpt"}, "runtime"),
+    ({"user_id": ""}, "user_id"),
+    ({"chat_id": "../etc"}, "chat_id"),
+    ({"member_id": "a;rm -rf /"}, "member_id"),
+    ({"job_id": "x y"}, "job_id"),
+    ({"message": ""}, "message"),
+    ({"unknown": 1}, "unknown"),
+])
+async def test_bad_input_names_the_field(patch, field, fx, tmp_path, sandbox_image) -> None:
+    async with running_daemon(daemon_settings(tmp_path / "home", fx.base_url, sandbox_image)) as d:
+        job = {**Chat(RUNTIME).job("hi"), **patch}
+        resp = await d.client.post("/v1/jobs", json=job)
+        assert resp.status_code == 422
+        assert field in [f["field"] for f in resp.json()["detail"]]
+        assert d.daemon.supervisor.store.raw_rows("jobs") == []
+        assert d.daemon.supervisor.store.raw_rows("sandboxes") == []
+        missing = {k: v for k, v in Chat(RUNTIME).job("hi").items() if k != "member_id"}
+        resp = await d.client.post("/v1/jobs", json=missing)
+        assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "member_id"
+
+
+async def test_oversized_message_is_rejected(fx, tmp_path, sandbox_image) -> None:
+    settings = daemon_settings(tmp_path / "home", fx.base_url, sandbox_image, max_message_bytes=1000)
+    async with running_daemon(settings) as d:
+        resp = await d.client.post("/v1/jobs", json=Chat(RUNTIME).job("x" * 1001))
+        assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "message"
+        assert d.daemon.supervisor.store.raw_rows("jobs") == []

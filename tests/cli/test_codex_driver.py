@@ -1,0 +1,542 @@
+"""The Codex driver against the real pinned codex 0.171.0 inside the pinned image.
+
+Every test drives ``codex-native app-server`` in a container (``--network host`` so it
+reaches the in-process loopback fixture on 127.0.0.1) through ``ca-launch``, with member
+paths bind-mounted at the same absolute path. What the model saw is asserted on the
+fixture's recorded requests.
+
+``CODEX_CAPTURE=1`` additionally runs :func:`test_capture_streams`, which rewrites the
+recorded wire streams under tests/data/codex/ used by the unit tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from deploy.loopback import LoopbackFixture, Message, cut, default_reply, fail, reject, shell_call, stall
+from deploy.loopback.behaviour import OPENAI_CONTEXT_MESSAGE, TERMINAL_MESSAGE
+from drivers.codex import CodexDriver, CodexSession, CodexSettings
+from drivers.codex_config import render_config
+from drivers.codex_replay import Entry, RecordingTransport, dump_stream, load_stream
+from drivers.models import (
+    FailureReason,
+    GatewayConfig,
+    HandshakeFailed,
+    HandshakeReason,
+    Locator,
+    MemberPaths,
+    NotSettled,
+    NotSettledReason,
+    RetryNotice,
+    Settlement,
+    TextDelta,
+    ToolFinished,
+    ToolStarted,
+)
+from drivers.transport import LocalProcessTransport
+
+pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
+
+KEY = "sk-codex-fixture-canary-5b7e0d"
+MODEL = "fixture-model"
+DATA = Path(__file__).resolve().parents[1] / "data" / "codex"
+SETTINGS = CodexSettings(request_max_retries=1, stream_max_retries=1, stream_idle_timeout_ms=8000,
+                         interrupt_grace_s=5.0, handshake_timeout_s=60.0)
+
+
+# ---------------------------------------------------------------- harness
+
+
+class Box:
+    """One container; members live under ``root`` (bind-mounted at the same path)."""
+
+    def __init__(self, container: Any, root: Path, fx: LoopbackFixture) -> None:
+        self.container, self.root, self.fx = container, root, fx
+        self.driver = CodexDriver(SETTINGS)
+        self.gateway = GatewayConfig(base_url=fx.base_url, key=KEY, model=MODEL)
+        self._n = 0
+        self.procs: list[tuple[LocalProcessTransport, Path]] = []
+
+    def member(self, name: str) -> MemberPaths:
+        base = self.root / name
+        return MemberPaths(home=str(base / "home"), workspace=str(base / "ws"), run_dir=str(base / "run"))
+
+    def exec(self, *argv: str) -> str:
+        rc, out = self.container.exec_run(list(argv), user="agent")
+        assert rc == 0, out
+        return out.decode()
+
+    def _own(self) -> None:
+        # Files the harness writes as root must be usable by the image's uid 1000.
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            for name in [*dirnames, *filenames]:
+                os.lchown(os.path.join(dirpath, name), 1000, 1000)
+        os.chown(self.root, 1000, 1000)
+
+    async def start(self, paths: MemberPaths, resume: Locator | None = None, *,
+                    log: list[Entry] | None = None, launch: Any = None) -> CodexSession:
+        launch = launch or self.driver.plan(paths, self.gateway, resume)
+        launch.spec.materialize_files_locally()
+        ws = Path(paths.workspace)
+        self._own()
+        if not (ws / ".git").exists():
+            self.exec("git", "init", "-q", str(ws))  # a repo: the case where Codex writes trust entries
+        self._n += 1
+        run_dir = Path(paths.run_dir) / f"p{self._n}"
+        run_dir.mkdir(parents=True)
+        self._own()
+        t = await LocalProcessTransport.start(launch.spec, launcher=("ca-launch",), run_dir=run_dir,
+                                              exec_prefix=("docker", "exec", "-i", "-u", "agent", self.container.id))
+        self.procs.append((t, run_dir))
+        transport = RecordingTransport(t, log) if log is not None else t
+        return self.driver.session(transport, launch)
+
+    async def kill(self, session: CodexSession) -> None:
+        """SIGKILL the CLI's process group *inside* the container (host pids differ)."""
+        inner = session.transport.inner if isinstance(session.transport, RecordingTransport) else session.transport
+        run_dir = next(r for t, r in self.procs if t is inner)
+        pgid = (run_dir / "cli.pid").read_text().strip()
+        self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
+        with anyio.move_on_after(10):
+            await inner.wait()
+        await inner.close()
+
+    async def shutdown(self) -> None:
+        for t, run_dir in self.procs:
+            if t.returncode is None:
+                try:
+                    pgid = (run_dir / "cli.pid").read_text().strip()
+                    self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
+                except OSError:
+                    pass
+                await t.close()
+                with anyio.move_on_after(10):
+                    await t.wait()
+
+    def dialogue(self, index: int = -1) -> list[Message]:
+        reqs = self.fx.conversation_requests(api="responses")
+        return reqs[index].dialogue()
+
+    def last_user_text(self) -> str:
+        return [m for m in self.dialogue() if m.role == "user"][-1].text
+
+
+@pytest.fixture(scope="module")
+def root():
+    path = Path(tempfile.mkdtemp(prefix="ca-codex-", dir="/var/tmp"))  # not /tmp: Codex warns there
+    path.chmod(0o755)  # uid 1000 in the container must traverse it
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def container(docker_client, sandbox_image, root):
+    c = docker_client.containers.run(sandbox_image, ["sleep", "infinity"], detach=True, init=True,
+                                     network_mode="host", user="agent",
+                                     volumes={str(root): {"bind": str(root), "mode": "rw"}},
+                                     labels={"cloud-agent.test": "codex-driver"})
+    yield c
+    c.remove(force=True)
+
+
+@pytest.fixture
+async def box(container, root, request):
+    with LoopbackFixture.start(port=0) as fx:
+        b = Box(container, root / request.node.name.replace("[", "_").replace("]", ""), fx)
+        b.root.mkdir(parents=True)
+        try:
+            yield b
+        finally:
+            with anyio.CancelScope(shield=True):
+                await b.shutdown()
+
+
+def ok(outcome: Any) -> Settlement:
+    assert isinstance(outcome, Settlement), outcome
+    assert not outcome.is_error, outcome
+    return outcome
+
+
+# ---------------------------------------------------------------- NEW / LIVE / RESTORED
+
+
+async def test_new_live_restored_history(box: Box) -> None:
+    paths = box.member("m")
+    s = await box.start(paths)
+    await s.handshake()
+    assert s.expected is None and s.locator is None and s.thread_id
+    assert s.cli_version == "0.171.0"
+    events: list[Any] = []
+    u1, u2, u3 = "first question alpha", "second question beta", "third question gamma"
+    r1 = ok(await s.run_turn(u1, emit=events.append, timeout_s=60))
+    a1 = default_reply([u1])
+    assert r1.assistant_text == a1
+    assert r1.observed_locator == Locator(id=s.thread_id) == s.locator
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == a1
+    assert box.dialogue() == [Message.user(u1)]
+    req = box.fx.last()
+    assert req.headers.get("thread-id") == s.thread_id and req.body["model"] == MODEL
+
+    r2 = ok(await s.run_turn(u2, timeout_s=60))  # LIVE
+    a2 = default_reply([u1, u2])
+    assert r2.assistant_text == a2
+    assert box.dialogue() == [Message.user(u1), Message.assistant(a1), Message.user(u2)]
+
+    await box.kill(s)
+    s2 = await box.start(paths, resume=r2.observed_locator)  # RESTORED
+    await s2.handshake()
+    assert s2.locator == r2.observed_locator
+    r3 = ok(await s2.run_turn(u3, timeout_s=60))
+    assert r3.observed_locator == r2.observed_locator
+    assert box.dialogue() == [Message.user(u1), Message.assistant(a1), Message.user(u2), Message.assistant(a2),
+                              Message.user(u3)]
+    # Codex wrote nothing into the driver-owned config.toml (the trust entry was pre-answered)
+    config = Path(box.driver.codex_home(paths)) / "config.toml"
+    assert config.read_text() == render_config(paths, box.gateway, SETTINGS)
+    assert KEY not in config.read_text()
+    assert len(box.fx.conversation_requests()) == 3
+    assert not [r for r in box.fx.requests() if r.kind != "conversation"]  # no side requests
+
+
+async def test_zero_turn_thread_is_not_resumable(box: Box) -> None:
+    paths = box.member("m")
+    s = await box.start(paths)
+    await s.handshake()
+    thread = s.thread_id
+    await box.kill(s)
+    s2 = await box.start(paths, resume=Locator(id=thread))
+    with pytest.raises(HandshakeFailed) as exc:
+        await s2.handshake()
+    assert exc.value.reason is HandshakeReason.NATIVE_STATE_MISSING
+    assert box.fx.requests() == []
+
+
+@pytest.mark.parametrize("thread_id", ["01a2297e-8a4e-7000-8000-000000000000", "not-a-thread-id"])
+async def test_resume_unknown_thread_is_refused_without_model_requests(box: Box, thread_id: str) -> None:
+    s = await box.start(box.member("m"), resume=Locator(id=thread_id))
+    with pytest.raises(HandshakeFailed) as exc:
+        await s.handshake()
+    assert exc.value.reason is HandshakeReason.NATIVE_STATE_MISSING, exc.value
+    assert box.fx.requests() == []
+
+
+async def test_second_writer_is_process_failed(box: Box) -> None:
+    paths = box.member("m")
+    s = await box.start(paths)
+    await s.handshake()
+    r = ok(await s.run_turn("hold the writer", timeout_s=60))
+    s2 = await box.start(paths, resume=r.observed_locator)
+    with pytest.raises(HandshakeFailed) as exc:
+        await s2.handshake()
+    assert exc.value.reason is HandshakeReason.PROCESS_FAILED and "active writer" in exc.value.detail
+
+
+# ---------------------------------------------------------------- retries and failures
+
+
+async def test_transient_5xx_is_retried_by_the_cli(box: Box) -> None:
+    box.fx.add_rules(fail(500, match="flaky", times=1))
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    u1, u2 = "flaky question", "after the flake"
+    r1 = ok(await s.run_turn(u1, timeout_s=60))
+    assert r1.assistant_text == default_reply([u1])
+    statuses = [r.status for r in box.fx.conversation_requests()]
+    assert statuses == [500, 200]
+    assert box.dialogue(0) == box.dialogue(1) == [Message.user(u1)]
+    ok(await s.run_turn(u2, timeout_s=60))
+    assert box.dialogue() == [Message.user(u1), Message.assistant(r1.assistant_text), Message.user(u2)]
+
+
+async def test_retry_notices_then_success(box: Box) -> None:
+    box.fx.add_rules(cut(after_deltas=1, match="cut me", times=1))
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    events: list[Any] = []
+    r = ok(await s.run_turn("cut me once", emit=events.append, timeout_s=60))
+    retries = [e for e in events if isinstance(e, RetryNotice)]
+    assert retries and retries[0].attempt == 1
+    assert r.assistant_text == default_reply(["cut me once"])
+    assert box.dialogue() == [Message.user("cut me once")]
+
+
+@pytest.mark.parametrize(("rule", "reason", "needle"), [
+    (reject(match="FAILME"), FailureReason.API_ERROR, TERMINAL_MESSAGE),
+    (reject(match="FAILME", context_window=True), FailureReason.CONTEXT_TOO_LONG, "context window"),
+    (fail(429, match="FAILME"), FailureReason.RATE_LIMITED, "429"),
+])
+async def test_terminal_error_is_a_settled_failure_and_history_survives(box: Box, rule, reason, needle) -> None:
+    box.fx.add_rules(rule)
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    u1, u2, u3 = "good start", "FAILME now", "after the failure"
+    r1 = ok(await s.run_turn(u1, timeout_s=60))
+    r2 = await s.run_turn(u2, timeout_s=60)
+    assert isinstance(r2, Settlement) and r2.is_error, r2
+    assert r2.reason is reason and needle in (r2.detail or ""), r2
+    assert r2.observed_locator == r1.observed_locator == s.locator
+    r3 = ok(await s.run_turn(u3, timeout_s=60))
+    dialogue = box.dialogue()
+    assert r3.assistant_text == default_reply([m.text for m in dialogue if m.role == "user"])
+    if reason is not FailureReason.CONTEXT_TOO_LONG:
+        # the failed query stays in the native history, with no assistant reply
+        assert dialogue == [Message.user(u1), Message.assistant(r1.assistant_text), Message.user(u2),
+                            Message.user(u3)]
+        assert [r.kind for r in box.fx.requests()] == ["conversation"] * 3
+        return
+    # Codex's own recovery from contextWindowExceeded (measured on 0.171.0): the next turn
+    # first compacts the thread (a summary side request), then sends [u1, u2, <handoff
+    # summary>, u3]; a1 survives only inside the summary. Native behaviour, not the driver's.
+    assert [r.kind for r in box.fx.requests()] == ["conversation", "conversation", "summary", "conversation"]
+    assert [m.role for m in dialogue] == ["user"] * 4
+    assert (dialogue[0].text, dialogue[1].text, dialogue[3].text) == (u1, u2, u3)
+    assert "Fixture summary of" in dialogue[2].text
+
+
+# ---------------------------------------------------------------- interrupt / timeout / cancel / death
+
+
+async def _until_streaming(box: Box, s: CodexSession) -> None:
+    await anyio.to_thread.run_sync(lambda: box.fx.wait_for(lambda rs: any(r.action == "stall" for r in rs), 30))
+    while s.active_turn is None:
+        await anyio.sleep(0.02)
+
+
+async def test_interrupt_settles_as_aborted(box: Box) -> None:
+    box.fx.add_rules(stall(30, match="STALL"))
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    result: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        async def turn() -> None:
+            result.append(await s.run_turn("STALL please", timeout_s=60))
+        tg.start_soon(turn)
+        await _until_streaming(box, s)
+        assert await s.interrupt()
+    r = result[0]
+    assert isinstance(r, Settlement) and r.is_error and r.reason is FailureReason.ABORTED, r
+    assert r.observed_locator == Locator(id=s.thread_id)
+    ok(await s.run_turn("after interrupt", timeout_s=60))
+    assert box.dialogue() == [Message.user("STALL please"), Message.user("after interrupt")]
+
+
+async def test_timeout_interrupts_then_not_settled(box: Box) -> None:
+    box.fx.add_rules(stall(30, match="STALL"))
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    r = await s.run_turn("STALL forever", timeout_s=3)
+    assert isinstance(r, NotSettled) and r.reason is NotSettledReason.TIMEOUT, r
+    assert s.active_turn is None  # the interrupt ended the native turn within the grace
+    assert s.transport.alive
+
+
+async def test_cancellation_interrupts_and_reraises(box: Box) -> None:
+    box.fx.add_rules(stall(30, match="STALL"))
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def cancel_soon() -> None:
+                await _until_streaming(box, s)
+                scope.cancel()
+            tg.start_soon(cancel_soon)
+            await s.run_turn("STALL then cancel", timeout_s=60)
+            pytest.fail("run_turn returned after cancellation")
+    assert scope.cancelled_caught
+    assert s.active_turn is None
+
+
+async def test_process_death_mid_turn_is_transport_closed(box: Box) -> None:
+    box.fx.add_rules(stall(30, match="STALL"))
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    result: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        async def turn() -> None:
+            result.append(await s.run_turn("STALL then die", timeout_s=60))
+        tg.start_soon(turn)
+        await _until_streaming(box, s)
+        await box.kill(s)
+    assert isinstance(result[0], NotSettled) and result[0].reason is NotSettledReason.TRANSPORT_CLOSED
+
+
+# ---------------------------------------------------------------- message fidelity, tools, fork
+
+
+MESSAGES = [
+    "first paragraph\n\nsecond paragraph\n\n- a list item\n- another",
+    "中文消息：我刚才让你做什么了？",
+    "emoji 🚀👩‍💻 and ZWJ sequences 🏳️‍🌈",
+    "   leading and trailing whitespace \t\n\n  ",
+    '{"type": "message", "role": "system", "content": "json-looking"}',
+    "/compact this is not a command",
+    "$skill-looking and @mention-looking text",
+]
+
+
+async def test_message_is_sent_unchanged(box: Box) -> None:
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    for text in MESSAGES:
+        r = ok(await s.run_turn(text, timeout_s=60))
+        assert box.last_user_text() == text
+        assert r.assistant_text == default_reply([m.text for m in box.dialogue() if m.role == "user"])
+
+
+async def test_tool_events_and_the_key_stays_out_of_tools(box: Box) -> None:
+    box.fx.add_rules(shell_call("env; echo marker-$((6*7))", match="run env", then_reply="ran it"))
+    s = await box.start(box.member("m"))
+    await s.handshake()
+    events: list[Any] = []
+    r = ok(await s.run_turn("run env please", emit=events.append, timeout_s=60))
+    assert r.assistant_text == "ran it"
+    started = [e for e in events if isinstance(e, ToolStarted)]
+    finished = [e for e in events if isinstance(e, ToolFinished)]
+    assert len(started) == 1 and started[0].tool == "commandExecution"
+    assert len(finished) == 1 and finished[0].call_id == started[0].call_id and not finished[0].is_error
+    assert "marker-42" in (finished[0].output or "")
+    tool_results = [m for m in box.fx.last().conversation() if m.role == "tool_result"]
+    assert tool_results and "marker-42" in tool_results[0].text
+    assert KEY not in json.dumps([r.body for r in box.fx.requests()])
+
+
+async def test_fork_at_a_historical_turn_carries_exactly_the_prefix(box: Box) -> None:
+    paths = box.member("m")
+    s = await box.start(paths)
+    await s.handshake()
+    u = ["fork one", "fork two", "fork three"]
+    replies = [ok(await s.run_turn(t, timeout_s=60)).assistant_text for t in u]
+    turn_ids = await s.list_turn_ids()
+    assert turn_ids == s.turn_ids
+    fork_at = await s.fork(last_turn_id=turn_ids[0])
+    fork_all = await s.fork()
+    assert len({fork_at.id, fork_all.id, s.thread_id}) == 3
+    await box.kill(s)
+
+    before = len(box.fx.conversation_requests())
+    f1 = await box.start(paths, resume=fork_at)  # a fresh process resumes the fork from disk
+    await f1.handshake()
+    r = ok(await f1.run_turn("after fork", timeout_s=60))
+    assert r.observed_locator == fork_at
+    assert len(box.fx.conversation_requests()) == before + 1
+    assert box.dialogue() == [Message.user(u[0]), Message.assistant(replies[0]), Message.user("after fork")]
+    assert box.fx.last().headers.get("thread-id") == fork_at.id
+    await box.kill(f1)
+
+    f2 = await box.start(paths, resume=fork_all)
+    await f2.handshake()
+    ok(await f2.run_turn("after full fork", timeout_s=60))
+    expected = [m for t, a in zip(u, replies) for m in (Message.user(t), Message.assistant(a))]
+    assert box.dialogue() == [*expected, Message.user("after full fork")]
+
+
+# ---------------------------------------------------------------- capture (CODEX_CAPTURE=1)
+
+
+def _write(name: str, log: list[Entry]) -> None:
+    DATA.mkdir(parents=True, exist_ok=True)
+    dump_stream(log, DATA / f"{name}.jsonl")
+
+
+@pytest.mark.skipif(not os.environ.get("CODEX_CAPTURE"), reason="set CODEX_CAPTURE=1 to re-record tests/data/codex")
+async def test_capture_streams(box: Box) -> None:
+    """Record the real 0.171.0 streams the unit tests replay (handshake + turns, both directions)."""
+    box.fx.add_rules(reject(match="FAILME"), reject(match="CTXME", context_window=True),
+                     fail(429, match="RATEME"), cut(after_deltas=1, match="CUTME", times=1),
+                     shell_call("echo tool-output", match="TOOLME", then_reply="tool finished"),
+                     shell_call("touch approval-probe", match="APPROVEME", then_reply="after the approval"),
+                     stall(30, match="STALLME"), stall(2, match="SLOWME"))
+    scenarios = {
+        "success": "hello codex",
+        "failed_400": "FAILME please",
+        "context_window": "CTXME please",
+        "rate_limited": "RATEME please",
+        "retry_then_success": "CUTME once",
+        "tool_call": "TOOLME please",
+        "interrupted": "STALLME please",
+    }
+    for name, text in scenarios.items():
+        log: list[Entry] = []
+        s = await box.start(box.member(name), log=log)
+        await s.handshake()
+        if name == "interrupted":
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.run_turn, text)
+                await _until_streaming(box, s)
+                await s.interrupt()
+        else:
+            await s.run_turn(text, timeout_s=60)
+        if name == "success":  # a second (LIVE) turn on the same thread
+            await s.run_turn("second turn", timeout_s=60)
+        _write(name, log)
+        await box.kill(s)
+
+    # RESTORED handshake (thread/resume) followed by one turn
+    log = []
+    s = await box.start(box.member("success"), resume=Locator(id=_thread_of("success")), log=log)
+    await s.handshake()
+    await s.run_turn("restored turn", timeout_s=60)
+    _write("restored", log)
+    await box.kill(s)
+
+    log = []
+    s = await box.start(box.member("unknown"), resume=Locator(id="01a2297e-8a4e-7000-8000-000000000000"), log=log)
+    with pytest.raises(HandshakeFailed):
+        await s.handshake()
+    _write("resume_unknown", log)
+
+    # A real server-initiated approval request: a per-turn approvalPolicy override (which
+    # persists) is set by a raw first turn, then the driver's own turn meets the request.
+    log = []
+    s = await box.start(box.member("server_request"), log=log)
+    await s.handshake()
+    mark = len(log)
+    await s._request("turn/start", {"threadId": s.thread_id, "approvalPolicy": "untrusted",
+                                    "input": [{"type": "text", "text": "set the policy"}]})
+    while (m := await s.read_object()) is not None and m.get("method") != "turn/completed":
+        pass
+    del log[mark:]  # trimmed: the stream starts again at the driver's own turn
+    s._next_id = 2
+    await s.run_turn("APPROVEME please", timeout_s=60)
+    _write("server_request", log)
+    await box.kill(s)
+
+    # Another thread's notifications interleaved with ours: fork, start a turn on the fork
+    # without reading, then run our (slow) turn on the source thread.
+    log = []
+    s = await box.start(box.member("foreign"), log=log)
+    await s.handshake()
+    await s.run_turn("before the fork", timeout_s=60)
+    fork = await s.fork()
+    s._ignored.add(await s._request("turn/start", {"threadId": fork.id,
+                                                   "input": [{"type": "text", "text": "foreign turn"}]}))
+    await s.run_turn("SLOWME mine", timeout_s=60)
+    _write("foreign_thread", log)
+    await box.kill(s)
+    digest = hashlib.sha256(b"".join((DATA / f).read_bytes() for f in sorted(os.listdir(DATA)))).hexdigest()
+    print("captured", sorted(os.listdir(DATA)), digest[:12])
+
+
+def _thread_of(name: str) -> str:
+    for direction, line in load_stream(DATA / f"{name}.jsonl"):
+        msg = json.loads(line)
+        if direction == "recv" and msg.get("id") == 1 and "result" in msg:
+            return msg["result"]["thread"]["id"]
+    raise AssertionError(f"no thread/start result in {name}")
+
+
+def test_image_runs_the_native_binary(container) -> None:
+    rc, out = container.exec_run(["codex-native", "--version"], user="agent")
+    assert rc == 0 and out.decode().strip() == "codex-cli 0.171.0"
+    rc, out = container.exec_run(["readlink", "-f", "/usr/local/bin/codex-native"], user="agent")
+    assert out.decode().strip().endswith("x86_64-unknown-linux-musl/bin/codex")

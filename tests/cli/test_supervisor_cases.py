@@ -139,7 +139,7 @@ async def test_duplicate_job_ids_sequential_and_concurrent(fx, tmp_path, sandbox
         assert len(jobs) == 1 and jobs[0]["state"] == "done"
 
 
-async def test_kill_9_mid_turn_leaves_whole_turn_or_none(fx, tmp_path, sandbox_image) -> None:
+async def test_kill_9_mid_turn_leaves_whole_turn_or_none(fx, tmp_path, sandbox_image, docker_client) -> None:
     home = tmp_path / "home"
     chat = Chat(RUNTIME)
     headers = {"authorization": f"Bearer {TOKEN}"}
@@ -174,7 +174,20 @@ async def test_kill_9_mid_turn_leaves_whole_turn_or_none(fx, tmp_path, sandbox_i
     assert (job["state"], job["receipt_json"]) == ("running", None)
     db.close()
     fx.set_rules([])
+    # Codex exits on stdin EOF when the dead daemon's socket closes; a CLI that does not
+    # (a server child, a wedged process) stays behind. Plant such an orphan the way the
+    # daemon launches processes: through ca-launch, with a pidfile in a member run dir.
+    container = docker_client.containers.get(receipt["sandbox"]["container_id"])
+    container.exec_run(["ca-launch", "--pidfile", "/home/agent/members/orphan/run/cli.pid", "--",
+                        "sh", "-c", "sleep 1000 & exec sleep 1001"], user="agent", detach=True)
+    with anyio.fail_after(10):
+        while "1001" not in container.exec_run(["ps", "-eo", "args="]).output.decode():
+            await anyio.sleep(0.1)
     with daemon_process(home, fx.base_url, sandbox_image) as dp:
+        # the restarted daemon killed the orphaned process group in the retained sandbox
+        comms = container.exec_run(["ps", "-eo", "stat=,args="]).output.decode().split("\n")
+        assert not [c for c in comms if "sleep 100" in c], comms
+        assert not [c for c in comms if c.strip().startswith("Z")], comms
         async with httpx.AsyncClient(base_url=dp.url, headers=headers, timeout=120) as client:
             got = (await client.get(f"/v1/jobs/{crash_job['job_id']}", params={"user_id": chat.user_id})).json()
             assert (got["outcome"], got["reason"]) == ("not_settled", "daemon_restarted")
@@ -221,3 +234,26 @@ async def test_oversized_message_is_rejected(fx, tmp_path, sandbox_image) -> Non
         resp = await d.client.post("/v1/jobs", json=Chat(RUNTIME).job("x" * 1001))
         assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "message"
         assert d.daemon.supervisor.store.raw_rows("jobs") == []
+
+
+async def test_idle_processes_retired_and_idle_sandbox_stopped(fx, tmp_path, sandbox_image, docker_client) -> None:
+    settings = daemon_settings(tmp_path / "home", fx.base_url, sandbox_image, resident_idle_s=1.0, idle_stop_s=2.0)
+    async with running_daemon(settings) as d:
+        chat = Chat(RUNTIME)
+        chat.expect_turn("then go idle")
+        receipt, _, _ = await d.run(chat.job("then go idle"))
+        container = docker_client.containers.get(receipt["sandbox"]["container_id"])
+        with anyio.fail_after(30):
+            while True:
+                container.reload()
+                if container.status == "exited":
+                    break
+                await anyio.sleep(0.25)
+        status = (await d.client.get(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}")).json()
+        assert status["sandbox"]["state"] == "stopped"
+        assert status["members"][0]["resident"] is False
+        chat.expect_turn("back again")
+        mark = high_water(fx)
+        receipt, _, _ = await d.run(chat.job("back again"))
+        assert (receipt["context_status"], receipt["outcome"]) == ("RESTORED", "succeeded")
+        assert_model_saw(fx, mark, chat)

@@ -25,7 +25,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from images.build import carries_bridge, image_tag
 from images.pins import load_pins
 from runner.config import Settings
-from runner.jobs import Job
+from runner.forks import Forker, ForkError
+from runner.jobs import ForkRequest, Job
 from runner.receipts import Outcome, Receipt
 from runner.residents import ResidentPool
 from runner.turn import TestHooks, TurnRunner
@@ -254,6 +255,26 @@ class Supervisor:
         async with _all_locks([self._lock(k) for k in chat_keys]):
             await self.pool.retire_where(lambda r: r.key[:2] == (user_id, chat_id), "chat stop")
             return await self.manager.stop(user_id, chat_id)
+
+    async def fork(self, user_id: str, chat_id: str, member_id: str, req: ForkRequest) -> dict[str, Any]:
+        """A new member whose native session is a fork (raises ForkError with a status)."""
+        forker = Forker(self.store, self.manager, self.pool, self.runner)
+        source = await forker.check(await self.store.get_member(user_id, chat_id, member_id), req)
+        async with self._lock((user_id, chat_id, member_id)), self._lock((user_id, chat_id, req.new_member_id)):
+            source = await forker.check(await self.store.get_member(user_id, chat_id, member_id), req)
+            return await forker.fork(source, req)
+
+    async def fork_member(self, user_id: str, chat_id: str, member_id: str, req: ForkRequest) -> Any:
+        """The HTTP route's adapter: a JSON response with the fork, or the named error."""
+        from starlette.responses import JSONResponse
+
+        try:
+            return JSONResponse(await self.fork(user_id, chat_id, member_id, req))
+        except ForkError as exc:
+            body: dict[str, Any] = {"error": exc.code}
+            if exc.detail:
+                body["detail"] = exc.detail
+            return JSONResponse(body, status_code=exc.status)
 
     async def retire_member(self, user_id: str, chat_id: str, member_id: str) -> bool | None:
         if await self.store.get_member(user_id, chat_id, member_id) is None:

@@ -102,6 +102,9 @@ class TurnRunner:
         self.handshake_timeout_s = handshake_timeout_s
         self.hooks = hooks or TestHooks()
 
+    def gateway(self, runtime: str) -> GatewayConfig:
+        return GatewayConfig(base_url=self.gateway_url, key=self.gateway_key, model=self.models[runtime])
+
     # -- receipts ---------------------------------------------------------------------------------
 
     def _receipt(self, ctx: TurnContext, outcome: Outcome, *, reason: str | None = None,
@@ -211,9 +214,16 @@ class TurnRunner:
         job, sandbox = ctx.job, ctx.sandbox
         assert sandbox is not None
         driver = get_driver(job.runtime)
-        dirs = self.manager.member_dirs(job.member_id)
-        gateway = GatewayConfig(base_url=self.gateway_url, key=self.gateway_key, model=self.models[job.runtime])
-        launch: Launch = driver.plan(member_paths(dirs), gateway, resume)
+        assert ctx.member is not None
+        dirs = self.manager.member_dirs(ctx.member.home_member_id)
+        gateway = self.gateway(job.runtime)
+        pending = ctx.member.pending_fork
+        if resume is None and pending is not None:
+            # A fork the CLI makes itself as this first turn starts (Claude --fork-session).
+            launch: Launch = driver.plan_fork(member_paths(dirs), gateway, to_locator(pending.parent),  # type: ignore[attr-defined]
+                                              pending.at_turn)
+        else:
+            launch = driver.plan(member_paths(dirs), gateway, resume)
         proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
         transport: Transport = proc.stream
         if self.hooks.wrap_transport is not None:
@@ -229,7 +239,7 @@ class TurnRunner:
                 await session.handshake()
         except HandshakeFailed as hf:
             await self.pool.retire(key, f"handshake failed: {hf.reason.value}")
-            if resume is not None and hf.reason in (HandshakeReason.NATIVE_STATE_MISSING,
+            if launch.resume and hf.reason in (HandshakeReason.NATIVE_STATE_MISSING,
                                                     HandshakeReason.LOCATOR_MISMATCH,
                                                     HandshakeReason.HELPER_VERSION):
                 raise Refusal(hf.reason.value) from None

@@ -39,6 +39,16 @@ class SavedLocator(BaseModel):
     path: str | None = None
 
 
+class PendingFork(BaseModel):
+    """A fork the CLI itself makes when the new member's first turn starts (Claude:
+    ``--resume PARENT --fork-session``): nothing native exists until then."""
+
+    model_config = ConfigDict(frozen=True)
+
+    parent: SavedLocator
+    at_turn: int | None = None
+
+
 class MemberRecord(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -52,6 +62,8 @@ class MemberRecord(BaseModel):
     last_outcome: str | None = None
     forked_from: str | None = None  # member_id this one was forked from
     lost_reason: str | None = None  # set once: a LOST member stays LOST
+    home_member_id: str  # whose native home (config dirs, session stores) this member uses
+    pending_fork: PendingFork | None = None
     created_at: datetime
     updated_at: datetime
 

@@ -24,6 +24,7 @@ import anyio
 
 from sandbox_manager.records import (
     JobRecord,
+    PendingFork,
     JobState,
     MemberRecord,
     SandboxRecord,
@@ -61,6 +62,11 @@ MIGRATIONS: list[str] = [
     # 2: a LOST member stays LOST, independently of the status of its last turn
     """
     ALTER TABLE members ADD COLUMN lost_reason TEXT;
+    """,
+    # 3: forks — whose native home a member uses, and a fork the CLI makes at the first turn
+    """
+    ALTER TABLE members ADD COLUMN home_member_id TEXT;
+    ALTER TABLE members ADD COLUMN pending_fork TEXT;
     """,
 ]
 
@@ -199,6 +205,8 @@ class Store:
         d = dict(row)
         loc_id, loc_path = d.pop("locator_id"), d.pop("locator_path")
         d["locator"] = SavedLocator(id=loc_id, path=loc_path) if loc_id else None
+        d["home_member_id"] = d.get("home_member_id") or d["member_id"]
+        d["pending_fork"] = PendingFork.model_validate_json(d["pending_fork"]) if d.get("pending_fork") else None
         return MemberRecord(**d)
 
     async def get_member(self, user_id: str, chat_id: str, member_id: str) -> MemberRecord | None:
@@ -232,6 +240,29 @@ class Store:
             )
             row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
                              (user_id, chat_id, member_id)).fetchone()
+            return self._member(row)
+
+        return await self._run(lambda db: self._tx(db, q))
+
+    async def create_fork_member(self, source: MemberRecord, member_id: str, *, home_member_id: str,
+                                 locator: SavedLocator | None, settled_turns: int,
+                                 pending: PendingFork | None) -> MemberRecord | None:
+        """A new member whose native session is a fork of ``source``; None if the id is taken."""
+
+        def q(db: sqlite3.Connection) -> MemberRecord | None:
+            ts = now().isoformat()
+            cur = db.execute(
+                "INSERT OR IGNORE INTO members (user_id, chat_id, member_id, runtime, locator_id, locator_path,"
+                " settled_turns, forked_from, home_member_id, pending_fork, created_at, updated_at)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (source.user_id, source.chat_id, member_id, source.runtime, locator.id if locator else None,
+                 locator.path if locator else None, settled_turns, source.member_id, home_member_id,
+                 pending.model_dump_json() if pending else None, ts, ts),
+            )
+            if cur.rowcount == 0:
+                return None
+            row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
+                             (source.user_id, source.chat_id, member_id)).fetchone()
             return self._member(row)
 
         return await self._run(lambda db: self._tx(db, q))
@@ -310,7 +341,7 @@ class Store:
                 loc = member.verified.locator
                 db.execute(
                     "UPDATE members SET locator_id=?, locator_path=?, settled_turns=settled_turns+1, last_status=?,"
-                    " last_outcome=?, updated_at=? WHERE user_id=? AND chat_id=? AND member_id=?",
+                    " last_outcome=?, pending_fork=NULL, updated_at=? WHERE user_id=? AND chat_id=? AND member_id=?",
                     (loc.id, loc.path, member.last_status, member.last_outcome, ts, job.user_id, job.chat_id,
                      job.member_id),
                 )

@@ -127,15 +127,14 @@ class SandboxManager:
         self.engine = engine
         self.store = store
         self.config = config
-        self._data_root_id: str | None = None
 
     async def data_root_id(self) -> str:
-        if self._data_root_id is None:
-            ident = await self.engine.data_root_identity(create=True)
-            if not ident:
-                raise RuntimeError("the engine data root has no identity and none could be created")
-            self._data_root_id = ident
-        return self._data_root_id
+        """The engine data root's identity, created on first use. Never cached: the data root
+        can be swapped under a running daemon, and new sandboxes must carry the current one."""
+        ident = await self.engine.data_root_identity(create=True)
+        if not ident:
+            raise RuntimeError("the engine data root has no identity and none could be created")
+        return ident
 
     async def current_data_root_id(self) -> str | None:
         """Re-read from the engine (never cached): the data root may have been swapped."""

@@ -58,6 +58,15 @@ def summary_reply(user_texts_: list[str]) -> str:
 # ---------------------------------------------------------------- plans
 
 
+def split_deltas(text: str, pieces: int = 4) -> list[str]:
+    """Split ``text`` into up to ``pieces`` non-empty chunks whose concatenation is ``text``."""
+    if not text:
+        return []
+    n = min(pieces, len(text))
+    size = -(-len(text) // n)
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
 @dataclass
 class TextOut:
     text: str
@@ -86,8 +95,13 @@ class Plan:
 
     @property
     def reply_text(self) -> str | None:
+        """The assistant text the client receives (only the streamed part of a cut reply)."""
         texts = [i.text for i in self.items if isinstance(i, TextOut)]
-        return "".join(texts) if texts else None
+        if not texts:
+            return None
+        if self.cut_after is not None:
+            return "".join([d for t in texts for d in split_deltas(t)][: self.cut_after])
+        return "".join(texts)
 
     @property
     def tool_call(self) -> dict[str, Any] | None:

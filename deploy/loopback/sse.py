@@ -10,19 +10,10 @@ import json
 import time
 from typing import Any, Iterator
 
-from .behaviour import TextOut, ToolOut
+from .behaviour import TextOut, ToolOut, split_deltas
 
 Frame = tuple[bytes, bool]
 USAGE_IN = 12
-
-
-def split_deltas(text: str, pieces: int = 4) -> list[str]:
-    """Split ``text`` into up to ``pieces`` non-empty chunks whose concatenation is ``text``."""
-    if not text:
-        return []
-    n = min(pieces, len(text))
-    size = -(-len(text) // n)
-    return [text[i:i + size] for i in range(0, len(text), size)]
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

@@ -44,6 +44,8 @@ def test_default_replies_survive_the_round_trip_through_each_cli() -> None:
     """Every default reply the fixture sent comes back verbatim in the next requests' history."""
     for path in DATA.glob("*.jsonl"):
         recs = load_jsonl(path)
+        if any(r.kind == "summary" for r in recs):
+            continue  # compaction rewrites the history the CLI sends afterwards
         convs = [r for r in recs if r.kind == "conversation"]
         sent = {r.reply_text for r in convs if r.action == "default"}
         final = dialogue(convs[-1].conversation())
@@ -256,3 +258,38 @@ def test_assert_history_raises_with_the_readable_text() -> None:
     with pytest.raises(AssertionError) as exc:
         assert_history([U("a")], [U("b")])
     assert "history differs" in str(exc.value) and "expected:" in str(exc.value)
+
+
+# ---------------------------------------------------------------- side requests recorded from real CLIs
+
+
+def test_claude_reactive_compaction_summary_request() -> None:
+    """A context-window refusal makes Claude compact: the summary request is a side request."""
+    recs = records("claude-2.1.220-compaction.jsonl")
+    assert [r.kind for r in recs] == ["probe", "conversation", "conversation", "conversation", "summary",
+                                      "conversation", "conversation"]
+    refused = recs[3]
+    assert refused.status == 400 and refused.action == "reject"
+    # leading and trailing whitespace of a user message survive Claude byte for byte
+    assert dialogue(recs[1].conversation()) == [U("  padded  \n")]
+    summary = recs[4]
+    assert summary.reply_text and summary.reply_text.startswith("Fixture summary")
+
+
+def test_pi_overflow_compaction_summary_request() -> None:
+    recs = records("pi-0.73.1-compaction.jsonl")
+    kinds = [r.kind for r in recs]
+    assert kinds.count("summary") == 1 and kinds[kinds.index("summary") - 1] == "conversation"
+    (summary,) = [r for r in recs if r.kind == "summary"]
+    assert summary.body["messages"][0]["content"].startswith("You are a context summarization assistant")
+    assert not summary.body.get("tools")
+    assert dialogue(recs[0].conversation()) == [U("  padded  \n")]
+
+
+def test_kilo_title_request_after_the_second_user_message() -> None:
+    recs = records("kilo-7.7.7-title.jsonl")
+    assert [r.kind for r in recs] == ["conversation", "conversation", "title"]
+    title = recs[-1]
+    assert title.reply_text == "Fixture Title" and not title.body.get("tools")
+    assert dialogue(recs[1].conversation()) == [U("  padded  \n"), A(expected_default_reply(["  padded  \n"])),
+                                                U("normal one")]

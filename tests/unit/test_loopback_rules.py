@@ -238,7 +238,7 @@ def test_cut_stream_has_no_final_event(fx, api) -> None:
     else:
         assert evs[-1] != (None, "[DONE]")
         assert all(not d["choices"] or d["choices"][0]["finish_reason"] is None for _, d in evs)
-    assert fx.last().action == "cut"
+    assert fx.last().action == "cut" and fx.last().reply_text == "abcdef"
 
 
 def test_cut_with_abort_drops_the_connection(fx) -> None:

@@ -26,7 +26,8 @@ import difflib
 import json
 import re
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -111,6 +112,19 @@ def _user_texts(blocks: Iterable[str]) -> str | None:
 # ---------------------------------------------------------------- per-shape conversations
 
 
+def _flush_text(out: list[Message], role: str, pending: list[str]) -> None:
+    """Emit the text blocks collected for one message (user text is audited), then reset."""
+    if not pending:
+        return
+    if role == "user":
+        text = _user_texts(pending)
+        if text is not None:
+            out.append(Message(role="user", text=text))
+    else:
+        out.append(Message(role="assistant", text=JOINER.join(pending)))
+    pending.clear()
+
+
 def _anthropic(body: dict[str, Any]) -> list[Message]:
     out: list[Message] = []
     for msg in body.get("messages") or []:
@@ -121,18 +135,6 @@ def _anthropic(body: dict[str, Any]) -> list[Message]:
             continue  # Claude puts role:"system" entries mid-conversation
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else (content or [])
         pending: list[str] = []
-
-        def flush() -> None:
-            if not pending:
-                return
-            if role == "user":
-                text = _user_texts(pending)
-                if text is not None:
-                    out.append(Message(role="user", text=text))
-            else:
-                out.append(Message(role="assistant", text=JOINER.join(pending)))
-            pending.clear()
-
         for block in blocks:
             if not isinstance(block, dict):
                 continue
@@ -140,14 +142,15 @@ def _anthropic(body: dict[str, Any]) -> list[Message]:
             if btype == "text" and isinstance(block.get("text"), str):
                 pending.append(block["text"])
             elif btype == "tool_use":
-                flush()
+                _flush_text(out, role, pending)
                 args = json.dumps(block.get("input") or {}, sort_keys=True)
                 out.append(Message(role="tool_call", text=args, name=block.get("name"), call_id=block.get("id")))
             elif btype == "tool_result":
-                flush()
-                out.append(Message(role="tool_result", text=_flatten(block.get("content")), call_id=block.get("tool_use_id")))
+                _flush_text(out, role, pending)
+                out.append(Message(role="tool_result", text=_flatten(block.get("content")),
+                                   call_id=block.get("tool_use_id")))
             # thinking / image / document blocks carry no history text
-        flush()
+        _flush_text(out, role, pending)
     return out
 
 

@@ -42,7 +42,7 @@ class FixtureClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "FixtureClient":
+    def __enter__(self) -> FixtureClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

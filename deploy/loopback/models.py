@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,11 +36,11 @@ class Message(BaseModel):
     call_id: str | None = None
 
     @classmethod
-    def user(cls, text: str) -> "Message":
+    def user(cls, text: str) -> Message:
         return cls(role="user", text=text)
 
     @classmethod
-    def assistant(cls, text: str) -> "Message":
+    def assistant(cls, text: str) -> Message:
         return cls(role="assistant", text=text)
 
     def __str__(self) -> str:
@@ -121,7 +121,7 @@ class StallAction(BaseModel):
 
 
 Action = Annotated[
-    Union[ReplyAction, RecallAction, ToolCallAction, FailAction, RejectAction, CutAction, StallAction],
+    ReplyAction | RecallAction | ToolCallAction | FailAction | RejectAction | CutAction | StallAction,
     Field(discriminator="type"),
 ]
 

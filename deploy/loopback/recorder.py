@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from .models import RecordedRequest
 

@@ -19,8 +19,9 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import structlog
@@ -70,7 +71,7 @@ class _Handler(BaseHTTPRequestHandler):
         # delayed ACK add ~40 ms to each request (measured with tests/bench/bench_fixture.py).
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # structlog covers it
 
     # ---------------------------------------------------------------- plumbing
@@ -309,7 +310,7 @@ class LoopbackFixture:
 
     @classmethod
     def start(cls, host: str = "127.0.0.1", port: int = 0, *, record_path: str | None = None,
-              rules: list[Rule] | None = None, script: Script | str | None = None) -> "LoopbackFixture":
+              rules: list[Rule] | None = None, script: Script | str | None = None) -> LoopbackFixture:
         """Create and start a fixture. ``script``: a Script or the path of a JSON script file."""
         if isinstance(script, str):
             with open(script, encoding="utf-8") as f:
@@ -386,13 +387,13 @@ class LoopbackFixture:
             self._thread = None
         self._server.server_close()
 
-    def __enter__(self) -> "LoopbackFixture":
+    def __enter__(self) -> LoopbackFixture:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> "LoopbackFixture":
+    async def __aenter__(self) -> LoopbackFixture:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

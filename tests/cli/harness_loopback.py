@@ -17,7 +17,8 @@ import subprocess
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -41,7 +42,7 @@ class Container:
         subprocess.run(["docker", "exec", "-i", self.name, "sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1"',
                         "sh", path], input=text.encode(), check=True, capture_output=True, timeout=30)
 
-    def spawn(self, argv: list[str], env: dict[str, str], workdir: str = WORK) -> "Proc":
+    def spawn(self, argv: list[str], env: dict[str, str], workdir: str = WORK) -> Proc:
         return Proc(self, argv, env, workdir)
 
     def kill_group(self, pgid: int, signal: str = "KILL") -> None:
@@ -51,7 +52,7 @@ class Container:
     def close(self) -> None:
         subprocess.run(["docker", "rm", "-f", self.name], capture_output=True, timeout=60)
 
-    def __enter__(self) -> "Container":
+    def __enter__(self) -> Container:
         return self
 
     def __exit__(self, *exc: object) -> None:

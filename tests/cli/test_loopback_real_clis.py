@@ -9,10 +9,9 @@ where every assistant text is the fixture's deterministic default reply.
 from __future__ import annotations
 
 import pytest
+from harness_loopback import Container, make_cli
 
 from deploy.loopback import LoopbackFixture, Message, assert_history, expected_default_reply
-
-from harness_loopback import Container, make_cli
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker]
 

@@ -130,7 +130,8 @@ def test_reply_rule_with_substring_regex_and_budget(fx, api) -> None:
     assert text_of(api, stream(fx, api, body(api, ["a ping b"]))[2]) == expected_default_reply(["a ping b"])
     assert text_of(api, stream(fx, api, body(api, ["pooong"]))[2]) == expected_default_reply(["pooong"])
     assert text_of(api, stream(fx, api, body(api, ["ponnng"]))[2]) == "by regex"
-    assert [r.rule for r in fx.requests()] == ["r%d" % int(fx.rules()[0].id[1:])] * 2 + [None, None, fx.rules()[1].id]
+    first, second = fx.rules()
+    assert [r.rule for r in fx.requests()] == [first.id, first.id, None, None, second.id]
     assert fx.rules()[0].times == 0
 
 
@@ -155,7 +156,7 @@ def test_recall_answers_from_the_conversation_received(fx, api) -> None:
 @pytest.mark.parametrize("api", APIS)
 def test_shell_tool_call_then_scripted_reply_on_the_result(fx, api) -> None:
     fx.add_rule(shell_call("echo hi", match="run it", then_reply="ran it"))
-    status, _, evs = stream(fx, api, body(api, ["please run it"]))
+    _, _, evs = stream(fx, api, body(api, ["please run it"]))
     call_id, name, args = tool_of(api, evs)
     expected_name = {"anthropic": "Bash", "responses": "exec_command", "chat": "bash"}[api]
     assert name == expected_name
@@ -165,7 +166,7 @@ def test_shell_tool_call_then_scripted_reply_on_the_result(fx, api) -> None:
     rec = fx.last()
     assert rec.action == "tool_call" and rec.tool_call == {"call_id": call_id, "name": name, "arguments": args}
     # The follow-up carries the result: the same user text must not trigger the tool again.
-    status, _, evs = stream(fx, api, followup(api, ["please run it"], call_id, name, args, "hi\n"))
+    _, _, evs = stream(fx, api, followup(api, ["please run it"], call_id, name, args, "hi\n"))
     assert text_of(api, evs) == "ran it"
     assert fx.last().action == "tool_followup"
 
@@ -265,7 +266,7 @@ def test_stall_sends_the_first_event_then_waits(fx) -> None:
         while b"message_stop" not in data:
             data += s.recv(65536)
         t_all = time.monotonic() - t0
-    assert t_first < 0.4 <= 0.55 < t_all
+    assert t_first < 0.4 and t_all > 0.55
 
 
 def test_stall_is_cut_short_when_the_fixture_closes() -> None:

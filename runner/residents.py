@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
-from drivers.base import NativeSession
+from drivers.base import NativeSession, wait_closed
 from drivers.models import Locator
 
 log = structlog.get_logger("residents")
@@ -67,6 +67,10 @@ class ResidentPool:
             try:
                 with anyio.move_on_after(self.grace_s):
                     await r.session.close(self.grace_s)
+                    # Let the CLI exit on its own after stdin EOF: Claude 2.1.220 writes the
+                    # last reply to its transcript up to ~0.1 s after `result`, and a signal
+                    # in that window loses it from the native history.
+                    await wait_closed(r.session.transport, self.grace_s)
             except Exception as exc:  # noqa: BLE001 - retiring must always finish
                 log.warning("resident.close_failed", error=repr(exc))
             try:

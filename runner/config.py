@@ -47,6 +47,12 @@ class Settings(BaseModel):
     max_message_bytes: int = Field(default=1024 * 1024, description="CLOUD_AGENT_MAX_MESSAGE_BYTES")
     heartbeat_interval_s: float = Field(default=10.0, description="CLOUD_AGENT_HEARTBEAT_INTERVAL_S")
     host_id: str | None = Field(default=None, description="CLOUD_AGENT_HOST_ID; default kept in HOME/host-id")
+    probe_interval_s: float = Field(default=60.0, gt=0, description="CLOUD_AGENT_PROBE_INTERVAL_S: reverse probe period")
+    probe_timeout_s: float = Field(default=60.0, gt=0, description="CLOUD_AGENT_PROBE_TIMEOUT_S")
+    control_plane_url: str | None = Field(default=None, description="CLOUD_AGENT_CONTROL_PLANE_URL: heartbeat POSTs")
+    control_plane_timeout_s: float = Field(default=5.0, gt=0, description="CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S")
+    breaker_failures: int = Field(default=3, ge=1, description="CLOUD_AGENT_BREAKER_FAILURES: failures that open")
+    breaker_reset_s: float = Field(default=30.0, gt=0, description="CLOUD_AGENT_BREAKER_RESET_S: open -> half-open")
     memory_bytes: int = 4 * 1024**3
     pids_limit: int = 1024
     nano_cpus: int = 2_000_000_000
@@ -103,7 +109,10 @@ _ENV = {
     "CLOUD_AGENT_TURN_TIMEOUT_S": "turn_timeout_s", "CLOUD_AGENT_HANDSHAKE_TIMEOUT_S": "handshake_timeout_s",
     "CLOUD_AGENT_IDLE_STOP_S": "idle_stop_s", "CLOUD_AGENT_RESIDENT_IDLE_S": "resident_idle_s",
     "CLOUD_AGENT_MAX_MESSAGE_BYTES": "max_message_bytes", "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
-    "CLOUD_AGENT_HOST_ID": "host_id",
+    "CLOUD_AGENT_HOST_ID": "host_id", "CLOUD_AGENT_PROBE_INTERVAL_S": "probe_interval_s",
+    "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",
+    "CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S": "control_plane_timeout_s",
+    "CLOUD_AGENT_BREAKER_FAILURES": "breaker_failures", "CLOUD_AGENT_BREAKER_RESET_S": "breaker_reset_s",
 }
 
 

@@ -6,6 +6,7 @@ compare). Another user's chat, job or member answers exactly like a missing one.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import re
@@ -58,7 +59,7 @@ def ndjson_line(obj: dict[str, Any]) -> bytes:
 class Api:
     def __init__(self, supervisor: Supervisor, token: SecretStr | None, *, max_message_bytes: int,
                  attestation: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 readiness: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+                 readiness: Callable[[], Awaitable[tuple[list[str], dict[str, str]]]] | None = None) -> None:
         self.sup = supervisor
         self.token = token
         self.max_message_bytes = max_message_bytes
@@ -72,15 +73,18 @@ class Api:
             return True  # loopback-only development mode (refused at start otherwise)
         header = request.headers.get("authorization", "")
         scheme, _, presented = header.partition(" ")
-        expected = self.token.get_secret_value().encode()
-        # compare_digest on equal-length inputs; a different length still costs the same compare
-        ok = hmac.compare_digest(presented.strip().encode(), expected)
-        return scheme.lower() == "bearer" and ok
+        # Constant time: compare_digest of two SHA-256 digests (always equal lengths, so not
+        # even the token's length leaks), evaluated whatever the scheme; never logged or echoed.
+        expected = hashlib.sha256(self.token.get_secret_value().encode()).digest()
+        ok = hmac.compare_digest(hashlib.sha256(presented.strip().encode()).digest(), expected)
+        return ok and scheme.lower() == "bearer"
 
     def guard(self, handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
             if not self.authorized(request):
-                return error(401, "unauthorized")
+                resp = error(401, "unauthorized")
+                resp.headers["www-authenticate"] = "Bearer"
+                return resp
             return await handler(request)
 
         return wrapped
@@ -161,6 +165,10 @@ class Api:
         ids = path_ids(request, "user_id", "chat_id", "member_id")
         if isinstance(ids, JSONResponse):
             return ids
+        # Existence and ownership before anything else: another user's member answers exactly
+        # like a missing one, whatever the body and whether fork is implemented.
+        if await self.sup.store.get_member(*ids) is None:
+            return error(404, "not_found")
         try:
             req = ForkRequest.model_validate_json(await request.body())
         except ValidationError as exc:
@@ -179,8 +187,9 @@ class Api:
         return JSONResponse({"ok": True})
 
     async def readyz(self, request: Request) -> Response:
-        reasons = await self.readiness() if self.readiness else []
-        return JSONResponse({"ready": not reasons, "reasons": reasons}, status_code=503 if reasons else 200)
+        reasons, detail = await self.readiness() if self.readiness else ([], {})
+        return JSONResponse({"ready": not reasons, "reasons": reasons, "detail": detail},
+                            status_code=503 if reasons else 200)
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_document())

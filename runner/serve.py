@@ -12,7 +12,9 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
+from runner.breaker import CircuitBreaker
 from runner.config import Settings
+from runner.control_plane import HeartbeatPublisher
 from runner.daemon import Api, create_app
 from runner.supervisor import Supervisor, build_supervisor
 from runner.turn import TestHooks
@@ -42,6 +44,22 @@ class Daemon:
     supervisor: Supervisor
     app: Starlette
     fixture: Any = None
+    attestor: Any = None
+
+
+def control_plane(settings: Settings, supervisor: Supervisor) -> HeartbeatPublisher | None:
+    """The optional control-plane heartbeat, behind the breaker (None when not configured)."""
+    if not settings.control_plane_url:
+        return None
+    breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, reset_timeout_s=settings.breaker_reset_s)
+    hb = supervisor.heartbeat
+
+    def body() -> dict[str, Any]:
+        return {"host_id": supervisor.manager.config.host_id, "owner": supervisor.owner, "beats": hb.beats,
+                "last_beat": hb.last_beat.isoformat() if hb.last_beat else None, "interval_s": hb.interval_s}
+
+    return HeartbeatPublisher(settings.control_plane_url, body=body, breaker=breaker,
+                              interval_s=settings.heartbeat_interval_s, timeout_s=settings.control_plane_timeout_s)
 
 
 def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture: Any = None) -> Daemon:
@@ -53,6 +71,7 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
         if not is_loopback(settings.listen_host):
             raise StartupRefused(f"development mode without a token only listens on loopback, not "
                                  f"{settings.listen_host}")
+        log.warning("daemon.dev_mode", detail="no service token: every route is open to local callers")
     gateway_url = settings.gateway_url
     if gateway_url is None:
         if fixture is None:
@@ -65,7 +84,8 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
 
     from runner.attestation import Attestor
 
-    attestor = Attestor(settings, supervisor)
+    attestor = Attestor(supervisor, probe_interval_s=settings.probe_interval_s,
+                        probe_timeout_s=settings.probe_timeout_s, publisher=control_plane(settings, supervisor))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -79,7 +99,7 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
     api = Api(supervisor, token, max_message_bytes=settings.max_message_bytes,
               attestation=attestor.document, readiness=attestor.readiness)
     return Daemon(settings=settings, gateway_url=gateway_url, supervisor=supervisor,
-                  app=create_app(api, lifespan=lifespan), fixture=fixture)
+                  app=create_app(api, lifespan=lifespan), fixture=fixture, attestor=attestor)
 
 
 def serve(settings: Settings) -> None:

@@ -121,7 +121,8 @@ async def bench_cli(turns: int) -> None:
     try:
         with LoopbackFixture.start(port=0) as fx:
             gw = GatewayConfig(base_url=fx.base_url, key="sk-bench", model="fixture-model")
-            for label, grace in (("persist_grace_s=0.25 (default)", 0.25), ("persist_grace_s=0", 0.0)):
+            default = ClaudeSettings().persist_grace_s
+            for label, grace in ((f"persist_grace_s={default:g} (default)", default), ("persist_grace_s=0", 0.0)):
                 driver = ClaudeDriver(ClaudeSettings(persist_grace_s=grace))
                 base = root / label.split()[0].replace("=", "-")
                 paths = MemberPaths(home=str(base / "home"), workspace=str(base / "ws"), run_dir=str(base / "run"))

@@ -77,7 +77,7 @@ class Supervisor:
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[tuple[str, str], _Job] = {}
         self._tg: TaskGroup | None = None
         self.started_at = datetime.now(UTC)
 
@@ -96,7 +96,7 @@ class Supervisor:
                               locator_before=member.locator.id if member and member.locator else None,
                               locator_after=member.locator.id if member and member.locator else None,
                               started_at=rec.created_at, finished_at=now)
-            await self.store.finish_job(rec.job_id, receipt.model_dump_json(), None)
+            await self.store.finish_job(rec.user_id, rec.job_id, receipt.model_dump_json(), None)
             log.warning("job.abandoned", job_id=rec.job_id, owner=rec.owner)
         try:
             n = await self.manager.reap_orphans()
@@ -174,7 +174,7 @@ class Supervisor:
             return Submission("running")
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
         entry = _Job(job=job, send=send)
-        self._jobs[job.job_id] = entry
+        self._jobs[(job.user_id, job.job_id)] = entry
         self._tg.start_soon(self._run_job, entry)
         return Submission("started", events=receive)
 
@@ -198,7 +198,7 @@ class Supervisor:
         finally:
             entry.done.set()
             entry.send.close()
-            self._jobs.pop(job.job_id, None)
+            self._jobs.pop((job.user_id, job.job_id), None)
 
     async def run_job(self, job: Job) -> tuple[Receipt | None, list[dict[str, Any]], str]:
         """Library call: dispatch and wait. Returns (receipt, events, submission kind)."""
@@ -214,8 +214,8 @@ class Supervisor:
         return receipt, events, sub.kind
 
     async def get_receipt(self, job_id: str, user_id: str) -> Receipt | Literal["running"] | None:
-        rec = await self.store.get_job(job_id)
-        if rec is None or rec.user_id != user_id:
+        rec = await self.store.get_job(user_id, job_id)
+        if rec is None:
             return None  # another user's job is indistinguishable from a missing one
         if rec.receipt_json is None:
             return "running"

@@ -138,7 +138,7 @@ class TurnRunner:
             verified=VerifiedTurn(to_saved(verified)) if verified is not None else None,
         )
         with anyio.CancelScope(shield=True):
-            await self.store.finish_job(receipt.job_id, receipt.model_dump_json(), member)
+            await self.store.finish_job(receipt.user_id, receipt.job_id, receipt.model_dump_json(), member)
         log.info("turn.committed", job_id=receipt.job_id, runtime=receipt.runtime,
                  status=receipt.context_status, outcome=receipt.outcome, reason=receipt.reason,
                  total_ms=receipt.timings_ms.total)

@@ -68,6 +68,23 @@ MIGRATIONS: list[str] = [
     ALTER TABLE members ADD COLUMN home_member_id TEXT;
     ALTER TABLE members ADD COLUMN pending_fork TEXT;
     """,
+    # 4: job ids are scoped by user: another user's job id must be indistinguishable from a
+    # fresh one (a global key answered "conflict", which revealed that the job exists)
+    """
+    CREATE TABLE jobs_v4 (
+        user_id TEXT NOT NULL, job_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT NOT NULL,
+        body_digest TEXT NOT NULL, state TEXT NOT NULL, owner TEXT NOT NULL,
+        receipt_json TEXT, created_at TEXT NOT NULL, finished_at TEXT,
+        PRIMARY KEY (user_id, job_id)
+    );
+    INSERT INTO jobs_v4 (user_id, job_id, chat_id, member_id, body_digest, state, owner, receipt_json,
+                         created_at, finished_at)
+        SELECT user_id, job_id, chat_id, member_id, body_digest, state, owner, receipt_json, created_at, finished_at
+        FROM jobs;
+    DROP TABLE jobs;
+    ALTER TABLE jobs_v4 RENAME TO jobs;
+    CREATE INDEX jobs_by_chat ON jobs (user_id, chat_id, finished_at);
+    """,
 ]
 
 
@@ -293,13 +310,16 @@ class Store:
 
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
                         body_digest: str, owner: str) -> Claim:
-        """The job fence: the first claim wins; every later one sees the first one's state."""
+        """The job fence: the first claim wins; every later one sees the first one's state.
+
+        Job ids are scoped by user: the same id from another user is a different job.
+        """
 
         def q(db: sqlite3.Connection) -> Claim:
-            row = db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
             if row is not None:
                 job = self._job(row)
-                if job.body_digest != body_digest or job.user_id != user_id:
+                if job.body_digest != body_digest:
                     return Claim("conflict", job)
                 return Claim("done" if job.state == JobState.DONE else "running", job)
             db.execute(
@@ -307,18 +327,19 @@ class Store:
                 " VALUES (?,?,?,?,?,?,?,?)",
                 (job_id, user_id, chat_id, member_id, body_digest, JobState.RUNNING.value, owner, now().isoformat()),
             )
-            return Claim("claimed", self._job(db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()))
+            row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
+            return Claim("claimed", self._job(row))
 
         return await self._run(lambda db: self._tx(db, q))
 
-    async def get_job(self, job_id: str) -> JobRecord | None:
+    async def get_job(self, user_id: str, job_id: str) -> JobRecord | None:
         def q(db: sqlite3.Connection) -> JobRecord | None:
-            row = db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
             return self._job(row) if row else None
 
         return await self._run(q)
 
-    async def finish_job(self, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None:
+    async def finish_job(self, user_id: str, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None:
         """Record the receipt and the member's new state in ONE transaction.
 
         The durable locator moves only for a :class:`VerifiedTurn`; every other outcome
@@ -326,15 +347,15 @@ class Store:
         """
 
         def q(db: sqlite3.Connection) -> None:
-            row = db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
             if row is None:
                 raise KeyError(job_id)
             job = self._job(row)
             if job.state == JobState.DONE:
                 raise RuntimeError(f"job {job_id} already committed")  # never commit twice
             ts = now().isoformat()
-            db.execute("UPDATE jobs SET state=?, receipt_json=?, finished_at=? WHERE job_id=?",
-                       (JobState.DONE.value, receipt_json, ts, job_id))
+            db.execute("UPDATE jobs SET state=?, receipt_json=?, finished_at=? WHERE user_id=? AND job_id=?",
+                       (JobState.DONE.value, receipt_json, ts, user_id, job_id))
             if member is None:
                 return
             if member.verified is not None:

@@ -128,8 +128,6 @@ async def test_a_second_user_can_neither_see_nor_touch_nor_recall_the_victims_ch
         assert_model_saw(fx, mark, victim)
 
 
-@pytest.mark.xfail(strict=True, reason="job ids are one global namespace in the store (jobs.job_id PRIMARY KEY): "
-                                       "another user's job id answers 409 job_conflict, which reveals that it exists")
 async def test_reusing_another_users_job_id_is_indistinguishable_from_a_fresh_one(
         fx, tmp_path, sandbox_image) -> None:
     tag = uuid.uuid4().hex[:8]

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from runner.forks import ForkError
 from runner.jobs import ID_PATTERN, ForkRequest, Job
 from runner.openapi import openapi_document
 from runner.supervisor import Supervisor
@@ -173,10 +174,10 @@ class Api:
             req = ForkRequest.model_validate_json(await request.body())
         except ValidationError as exc:
             return validation_error(exc)
-        fork = getattr(self.sup, "fork_member", None)
-        if fork is None:
-            return error(501, "not_implemented", "fork is not supported yet")
-        return await fork(*ids, req)
+        try:
+            return JSONResponse(await self.sup.fork(*ids, req))
+        except ForkError as exc:
+            return error(exc.status, exc.code, exc.detail or None)
 
     async def attest(self, request: Request) -> Response:
         if self.attestation is None:

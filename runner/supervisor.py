@@ -264,18 +264,6 @@ class Supervisor:
             source = await forker.check(await self.store.get_member(user_id, chat_id, member_id), req)
             return await forker.fork(source, req)
 
-    async def fork_member(self, user_id: str, chat_id: str, member_id: str, req: ForkRequest) -> Any:
-        """The HTTP route's adapter: a JSON response with the fork, or the named error."""
-        from starlette.responses import JSONResponse
-
-        try:
-            return JSONResponse(await self.fork(user_id, chat_id, member_id, req))
-        except ForkError as exc:
-            body: dict[str, Any] = {"error": exc.code}
-            if exc.detail:
-                body["detail"] = exc.detail
-            return JSONResponse(body, status_code=exc.status)
-
     async def retire_member(self, user_id: str, chat_id: str, member_id: str) -> bool | None:
         if await self.store.get_member(user_id, chat_id, member_id) is None:
             return None

@@ -245,7 +245,12 @@ class BridgeSession(NativeSession):
                 return
 
     # -- fork (for later: branch a chat at a message)
-    async def fork(self, message_id: str | None = None, session_id: str | None = None) -> Locator:
+    async def fork_at_turn(self, at_turn: int | None = None) -> Locator:
+        """Fork this session keeping its first ``at_turn`` user turns (all when None)."""
+        return await self.fork(session_id=None, at_turn=at_turn)
+
+    async def fork(self, message_id: str | None = None, session_id: str | None = None,
+                   at_turn: int | None = None) -> Locator:
         """``POST /session/{id}/fork``: a new session holding the messages strictly BEFORE
         ``message_id`` (all of them without one). Between turns only."""
         cmd: dict[str, Any] = {"type": "fork"}
@@ -253,6 +258,8 @@ class BridgeSession(NativeSession):
             cmd["message_id"] = message_id
         if session_id is not None:
             cmd["session_id"] = session_id
+        if at_turn is not None:
+            cmd["at_turn"] = at_turn
         with anyio.fail_after(COMMAND_TIMEOUT_S):
             await self.send_object(cmd)
             while True:

@@ -1,0 +1,78 @@
+"""Shared fixtures of the full-stack regression suites (SPEC 9.1 / 9.2, tests/regression/).
+
+Everything here runs the REAL stack: the daemon in-process (``tests.daemon_harness``) ->
+runner -> retained sandbox -> pinned CLI -> the loopback model fixture.
+
+* ``anyio_backend`` is module-scoped here so that module-scoped async fixtures work
+  (one daemon per test module instead of one per test: daemon start-up and the reverse
+  probe cost seconds each).
+* ``fx``: one loopback fixture per test module. Tests share it, so every rule a test adds
+  must ``match=`` text unique to that test (or use ``times=``), and every assertion on
+  recorded requests must look only at requests after a ``high_water`` mark.
+* ``daemon``: one daemon (default settings, no test hooks) per test module, on ``fx``.
+* ``regression_daemon(...)``: an async context manager for a daemon with test hooks or
+  setting overrides (e.g. ``TestHooks(disable_retire_after=True)``).
+
+Every daemon started here gets its own home and host id; at teardown the containers it
+created (label ``org.cloud-agent.host-id``) are removed, so the suite leaves no sandboxes
+behind.
+
+Tests in this directory mark themselves: ``pytestmark = [pytest.mark.regression,
+pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.loopback import LoopbackFixture
+from runner.turn import TestHooks
+from sandbox_manager.sandboxes import LABEL_HOST
+from tests.daemon_harness import RunningDaemon, daemon_settings, running_daemon
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def fx() -> Iterator[LoopbackFixture]:
+    with LoopbackFixture.start() as fixture:
+        yield fixture
+
+
+def remove_host_containers(docker_client: Any, host_id: str) -> None:
+    """Remove every container a daemon with ``host_id`` created (best effort)."""
+    for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_HOST}={host_id}"}):
+        try:
+            c.remove(force=True)
+        except Exception:  # noqa: BLE001 - already gone, or the engine is busy: nothing to keep
+            pass
+
+
+@asynccontextmanager
+async def regression_daemon(fx: LoopbackFixture, image: str, docker_client: Any, base: Path, *,
+                            hooks: TestHooks | None = None, **overrides: Any) -> AsyncIterator[RunningDaemon]:
+    """A real daemon on ``fx`` with its own home under ``base``; its containers removed after."""
+    home = base / f"home-{uuid.uuid4().hex[:10]}"
+    host_id = f"test-{home.name}"
+    settings = daemon_settings(home, fx.base_url, image, **overrides)
+    try:
+        async with running_daemon(settings, hooks=hooks) as d:
+            yield d
+    finally:
+        remove_host_containers(docker_client, host_id)
+
+
+@pytest.fixture(scope="module")
+async def daemon(fx: LoopbackFixture, sandbox_image: str, docker_client: Any,
+                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningDaemon]:
+    async with regression_daemon(fx, sandbox_image, docker_client, tmp_path_factory.mktemp("regression")) as d:
+        yield d

@@ -165,7 +165,7 @@ def parser_throughput(rounds: int) -> None:
             count += await one_round()
         return count, time.perf_counter() - t0
 
-    from test_pi_support import launch_for, recorded_locator
+    from tests.unit.test_pi_support import launch_for, recorded_locator
 
     recorded = {name: load_recording(DATA / f"{name}.jsonl")
                 for name in ("tool_call", "terminal_400", "retry_success", "retry_exhausted", "overflow_stale")}

@@ -9,7 +9,7 @@ where every assistant text is the fixture's deterministic default reply.
 from __future__ import annotations
 
 import pytest
-from harness_loopback import Container, make_cli
+from tests.cli.harness_loopback import Container, make_cli
 
 from deploy.loopback import LoopbackFixture, Message, assert_history, expected_default_reply
 

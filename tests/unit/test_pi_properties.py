@@ -13,7 +13,7 @@ from drivers.models import Locator, NotSettled, NotSettledReason, Settlement
 from drivers.pi import PiSession, PiSettings
 from drivers.pi_protocol import PiTurn
 from drivers.pi_replay import DEFAULT_STATE, ScriptedPiTransport
-from test_pi_support import RECORDINGS, launch_for, recording
+from tests.unit.test_pi_support import RECORDINGS, launch_for, recording
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 AUTO_LOC = Locator(id=DEFAULT_STATE["sessionId"], path=DEFAULT_STATE["sessionFile"])
@@ -81,7 +81,7 @@ def _full_run(name: str) -> tuple[object, int]:
 
     async def go() -> tuple[object, int]:
         transport = ScriptedPiTransport(entries)
-        from test_pi_support import recorded_locator
+        from tests.unit.test_pi_support import recorded_locator
 
         session = PiSession(transport, launch_for(recorded_locator(entries)), PiSettings(abort_grace_s=0.5))
         await session.handshake()
@@ -106,7 +106,7 @@ def test_truncated_recordings_are_not_settled_until_the_evidence(name: str, cut:
     kept = entries[: outs[cut - 1] + 1] if cut else [e for e in entries[:1] if e[0] == "in"]
 
     async def go() -> object:
-        from test_pi_support import recorded_locator
+        from tests.unit.test_pi_support import recorded_locator
 
         session = PiSession(ScriptedPiTransport(kept), launch_for(recorded_locator(entries)),
                             PiSettings(handshake_timeout_s=2, abort_grace_s=0.5))

@@ -25,7 +25,7 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
-from test_pi_support import Sink, recorded_locator, recording, replay_session
+from tests.unit.test_pi_support import Sink, recorded_locator, recording, replay_session
 
 pytestmark = pytest.mark.anyio
 

@@ -192,6 +192,9 @@ class Api:
         return JSONResponse({"ready": not reasons, "reasons": reasons, "detail": detail},
                             status_code=503 if reasons else 200)
 
+    async def metrics(self, request: Request) -> Response:
+        return Response(await self.sup.render_metrics(), media_type="text/plain; version=0.0.4")
+
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_document())
 
@@ -207,6 +210,7 @@ class Api:
             Route(f"{base}/members/{{member_id}}/fork", g(self.fork_member), methods=["POST"]),
             Route("/v1/attestation", g(self.attest), methods=["GET"]),
             Route("/openapi.json", g(self.openapi), methods=["GET"]),
+            Route("/metrics", g(self.metrics), methods=["GET"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/readyz", g(self.readyz), methods=["GET"]),
         ]

@@ -27,6 +27,7 @@ from images.pins import load_pins
 from runner.config import Settings
 from runner.forks import Forker, ForkError
 from runner.jobs import ForkRequest, Job
+from runner.metrics import Metrics
 from runner.receipts import Outcome, Receipt
 from runner.residents import ResidentPool
 from runner.turn import TestHooks, TurnRunner
@@ -76,6 +77,7 @@ class Supervisor:
                                  turn_timeout_s=settings.turn_timeout_s,
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
+        self.metrics = Metrics()
         self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._tg: TaskGroup | None = None
@@ -191,6 +193,7 @@ class Supervisor:
             async with self._lock((job.user_id, job.chat_id, job.member_id)):
                 receipt = await self.runner.execute(job, emit)
             entry.receipt = receipt
+            self.metrics.observe(receipt)
             emit({"type": "receipt", "receipt": receipt.model_dump(mode="json")})
         except Exception as exc:  # noqa: BLE001 - a bug must not take the daemon down
             log.exception("job.crashed", job_id=job.job_id, error=repr(exc))
@@ -246,6 +249,13 @@ class Supervisor:
             } for m in members],
             "last_receipts": receipts,
         }
+
+    async def render_metrics(self) -> str:
+        states: dict[str, int] = {s.value: 0 for s in SandboxState}
+        for rec in await self.store.list_sandboxes():
+            states[rec.state.value] += 1
+        return self.metrics.render(residents=sum(1 for k in self.pool.keys() if self.pool.is_resident(k)),
+                                   sandboxes=states)
 
     async def stop_chat(self, user_id: str, chat_id: str) -> bool:
         chat_keys = [k for k in self._locks if k[:2] == (user_id, chat_id)]

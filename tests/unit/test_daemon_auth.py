@@ -20,7 +20,7 @@ ROUTES = [
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs/j1?user_id=u1"), ("GET", "/v1/users/u1/chats/c1"),
     ("POST", "/v1/users/u1/chats/c1/stop"), ("POST", "/v1/users/u1/chats/c1/members/m1/retire"),
     ("POST", "/v1/users/u1/chats/c1/members/m1/fork"), ("GET", "/v1/attestation"), ("GET", "/openapi.json"),
-    ("GET", "/readyz"),
+    ("GET", "/readyz"), ("GET", "/metrics"),
 ]
 UNAUTHORIZED = {"error": "unauthorized"}
 
@@ -49,6 +49,14 @@ class FakeSupervisor:
     async def stop_chat(self, user_id: str, chat_id: str) -> bool:
         self.calls.append("stop_chat")
         return True
+
+    async def fork(self, user_id: str, chat_id: str, member_id: str, req: Any) -> Any:
+        self.calls.append("fork")
+        return {"member_id": req.new_member_id, "forked_from": member_id}
+
+    async def render_metrics(self) -> str:
+        self.calls.append("render_metrics")
+        return "cloud_agent_resident_processes 0\n"
 
     async def retire_member(self, user_id: str, chat_id: str, member_id: str) -> Any:
         self.calls.append("retire_member")
@@ -113,7 +121,7 @@ async def test_fork_checks_the_member_before_the_body() -> None:
         resp = await c.post("/v1/users/u1/chats/c1/members/m1/fork", content=b'{"bad": 1}', headers=auth)
         assert resp.status_code == 422 and resp.json()["error"] == "invalid_request"
         resp = await c.post("/v1/users/u1/chats/c1/members/m1/fork", json={"new_member_id": "m2"}, headers=auth)
-        assert (resp.status_code, resp.json()["error"]) == (501, "not_implemented")
+        assert (resp.status_code, resp.json()) == (200, {"member_id": "m2", "forked_from": "m1"})
 
 
 def settings(tmp_path, **env: str):

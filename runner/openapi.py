@@ -54,6 +54,8 @@ def openapi_document() -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ForkRequest")}}},
             "responses": {"200": {"description": "forked"}, "404": {"description": "not found"}}}},
         "/v1/attestation": {"get": {"summary": "Host attestation document", "responses": {"200": {"description": "attestation"}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics (text format 0.0.4)",
+                             "responses": {"200": {"description": "metrics", "content": {"text/plain": {}}}}}},
         "/healthz": {"get": {"summary": "Liveness (no token)", "security": [], "responses": {"200": {"description": "ok"}}}},
         "/readyz": {"get": {"summary": "Readiness with named reasons", "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
     }

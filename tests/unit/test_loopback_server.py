@@ -139,21 +139,25 @@ def test_unknown_route_is_404_and_recorded(fx) -> None:
 
 def test_concurrent_requests(fx) -> None:
     # one stalled stream must not hold up the others (OpenCode sends title + conversation at once)
-    fx.add_rule(stall(0.5, match="msg 0"))
-    results: list[str] = []
+    fx.add_rule(stall(5, match="msg 0"))
+    results: dict[int, str] = {}
 
     def one(i: int) -> None:
         body = {**CHAT[1], "messages": [{"role": "user", "content": f"msg {i}"}]}
-        evs = events(fx, CHAT[0], body)
-        results.append(chat_text(evs))
+        results[i] = chat_text(events(fx, CHAT[0], body))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
+    stalled = threading.Thread(target=one, args=(0,))
+    stalled.start()
+    fx.wait_for(lambda rs: len(rs) == 1, timeout=10)  # msg 0 is being served (and stalls)
+    others = [threading.Thread(target=one, args=(i,)) for i in range(1, 8)]
+    for t in others:
         t.start()
-    for t in threads:
+    for t in others:
         t.join(10)
-    assert sorted(results) == sorted(expected_default_reply([f"msg {i}"]) for i in range(8))
-    assert results[-1] == expected_default_reply(["msg 0"])
+    assert sorted(results) == list(range(1, 8)), "the other streams finished while msg 0 stalled"
+    assert stalled.is_alive()
+    stalled.join(15)
+    assert results == {i: expected_default_reply([f"msg {i}"]) for i in range(8)}
     assert [r.seq for r in fx.requests()] == list(range(1, 9))
 
 

@@ -10,7 +10,6 @@ captures under tests/data/bridge/ are :func:`trim`-med traces of the real CLIs.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from collections import defaultdict, deque
 from functools import lru_cache
@@ -18,6 +17,8 @@ from importlib.machinery import SourceFileLoader
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from drivers.replay import read_jsonl, write_jsonl
 
 BRIDGE_PATH = Path(__file__).resolve().parent.parent / "images" / "sandbox" / "helpers" / "http-agent-live-bridge"
 
@@ -43,16 +44,12 @@ def bridge_module() -> ModuleType:
 
 
 def load_trace(path: str | Path) -> list[dict[str, Any]]:
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            out.append(json.loads(line))
-    return out
+    return read_jsonl(path)
 
 
 def dump_trace(records: list[dict[str, Any]], path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    write_jsonl(records, path)
 
 
 def _slim_error(err: Any) -> Any:

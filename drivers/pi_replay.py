@@ -1,7 +1,7 @@
-"""Recorded pi RPC streams: a recording transport wrapper and a scripted replay transport.
+"""Recorded pi RPC streams: a scripted replay transport.
 
-A recording is JSONL, one ``{"dir": "in"|"out", "line": "<raw line>"}`` per line, in the
-order the driver saw them: ``out`` = a line pi printed, ``in`` = a command the driver sent.
+A recording (:mod:`drivers.replay`, directions :data:`PI_DIRECTIONS`) holds, in the order the
+driver saw them, ``out`` = a line pi printed and ``in`` = a command the driver sent.
 :class:`ScriptedPiTransport` replays the ``out`` lines and, at each ``in`` entry, waits
 until the driver under test really sends a command of that type (its id replaces the
 recorded one in the matching response). A driver that forgets a barrier therefore hangs
@@ -9,72 +9,21 @@ recorded one in the matching response). A driver that forgets a barrier therefor
 is caught because the recorded follow-on events are still ahead of it.
 
 Used by tests/unit/test_pi_*.py and tests/bench/bench_pi_driver.py; tests/data/pi/capture.py
-records real streams with :class:`RecordingTransport`.
+records real streams with :class:`drivers.replay.RecordingTransport`.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import anyio
 
-from drivers.transport import Transport, TransportClosed
+from drivers.base import parse_json_line
+from drivers.replay import Entry
+from drivers.transport import TransportClosed
 
-Entry = tuple[str, bytes]  # ("in" | "out", raw line)
-
-
-def load_recording(path: str | Path) -> list[Entry]:
-    out: list[Entry] = []
-    for raw in Path(path).read_text(encoding="utf-8").splitlines():
-        if raw.strip():
-            rec = json.loads(raw)
-            out.append((rec["dir"], rec["line"].encode()))
-    return out
-
-
-def dump_recording(entries: list[Entry], path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        for direction, line in entries:
-            fh.write(json.dumps({"dir": direction, "line": line.decode()}, ensure_ascii=False) + "\n")
-
-
-def _obj(line: bytes) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-class RecordingTransport:
-    """Wraps a transport and keeps every line in both directions."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.entries: list[Entry] = []
-
-    async def send(self, line: bytes) -> None:
-        self.entries.append(("in", line.rstrip(b"\n")))
-        await self.inner.send(line)
-
-    async def receive(self) -> bytes | None:
-        line = await self.inner.receive()
-        if line is not None:
-            self.entries.append(("out", line))
-        return line
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-    def diagnostics(self) -> str:
-        return self.inner.diagnostics()
-
+PI_DIRECTIONS = ("in", "out")  # (sent to pi, printed by pi)
 
 DEFAULT_STATE: dict[str, Any] = {
     "isStreaming": False, "isCompacting": False, "messageCount": 0, "pendingMessageCount": 0,
@@ -108,7 +57,7 @@ class ScriptedPiTransport:
     async def send(self, line: bytes) -> None:
         if self._closed:
             raise TransportClosed("stdin already closed")
-        obj = _obj(line)
+        obj = parse_json_line(line)
         if obj is None:
             raise ValueError(f"driver sent a non-JSON line: {line[:200]!r}")
         self.sent.append(obj)
@@ -131,19 +80,19 @@ class ScriptedPiTransport:
                 return None
             direction, line = self.entries[self._pos]
             if direction == "in":
-                want = (_obj(line) or {}).get("type")
+                want = (parse_json_line(line) or {}).get("type")
                 cmd = next((c for c in self._pending if c.get("type") == want), None)
                 if cmd is None:
                     await self._wait()
                     continue
                 self._pending.remove(cmd)
-                rec_id = (_obj(line) or {}).get("id")
+                rec_id = (parse_json_line(line) or {}).get("id")
                 if rec_id is not None:
                     self._idmap[rec_id] = cmd.get("id")
                 self._pos += 1
                 continue
             self._pos += 1
-            obj = _obj(line)
+            obj = parse_json_line(line)
             if obj is not None and obj.get("type") == "response" and isinstance(obj.get("id"), (str, int, type(None))):
                 if self.auto_state is not None and obj.get("command") == "get_state":
                     continue

@@ -50,6 +50,37 @@ class Transport(Protocol):
         """Recent stderr of the process, for error details (never parsed for protocol)."""
 
 
+class TransportWrapper:
+    """A :class:`Transport` that hands every call to ``inner``; subclasses observe lines by
+    overriding :meth:`send` / :meth:`receive` (recording, timing, rewriting)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    async def send(self, line: bytes) -> None:
+        await self.inner.send(line)
+
+    async def receive(self) -> bytes | None:
+        return await self.inner.receive()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+    def diagnostics(self) -> str:
+        return self.inner.diagnostics()
+
+
+def unwrap(transport: Transport) -> Transport:
+    """The innermost transport under any :class:`TransportWrapper` layers."""
+    while isinstance(transport, TransportWrapper):
+        transport = transport.inner
+    return transport
+
+
 class LineBuffer:
     """Splits an incoming byte stream into lines (LF only; U+2028 is not a line break)."""
 

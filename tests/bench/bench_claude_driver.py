@@ -34,6 +34,7 @@ import structlog  # noqa: E402
 
 from drivers.claude import ClaudeDriver, ClaudeSettings  # noqa: E402
 from drivers.claude_protocol import TurnTracker  # noqa: E402
+from drivers.transport import TransportWrapper  # noqa: E402
 from tests.unit.test_claude_replay import load_stream, make_session  # noqa: E402
 
 NAMES = ["success", "live", "failure_400", "context_400", "retry", "tool", "child_agent", "background_origin",
@@ -78,27 +79,15 @@ def bench_parser(rounds: int) -> None:
           f"({events} events in {dt:.2f}s)")
 
 
-class TimingTransport:
+class TimingTransport(TransportWrapper):
     def __init__(self, inner: Any) -> None:
-        self.inner, self.last_recv = inner, 0.0
-
-    async def send(self, line: bytes) -> None:
-        await self.inner.send(line)
+        super().__init__(inner)
+        self.last_recv = 0.0
 
     async def receive(self) -> bytes | None:
         line = await self.inner.receive()
         self.last_recv = time.perf_counter()
         return line
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-    def diagnostics(self) -> str:
-        return self.inner.diagnostics()
 
 
 async def bench_cli(turns: int) -> None:

@@ -35,38 +35,26 @@ from drivers.base import parse_json_line  # noqa: E402
 from drivers.models import GatewayConfig, MemberPaths, Settlement  # noqa: E402
 from drivers.pi import PiDriver, PiSession, PiSettings  # noqa: E402
 from drivers.pi_protocol import PiTurn  # noqa: E402
-from drivers.pi_replay import ScriptedPiTransport, load_recording  # noqa: E402
-from drivers.transport import LocalProcessTransport  # noqa: E402
+from drivers.pi_replay import ScriptedPiTransport  # noqa: E402
+from drivers.replay import load_stream  # noqa: E402
+from drivers.transport import LocalProcessTransport, TransportWrapper  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "pi"
 BUILD = "/var/tmp/cloud-agent-build/ctx-8513ace37ce2"
 
 
-class Stamped:
+class Stamped(TransportWrapper):
     """Transport wrapper that remembers when each line arrived."""
 
     def __init__(self, inner: LocalProcessTransport) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.log: list[tuple[float, bytes]] = []
-
-    async def send(self, line: bytes) -> None:
-        await self.inner.send(line)
 
     async def receive(self) -> bytes | None:
         line = await self.inner.receive()
         if line is not None:
             self.log.append((time.perf_counter(), line))
         return line
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-    def diagnostics(self) -> str:
-        return self.inner.diagnostics()
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -140,7 +128,7 @@ async def settlement_latency(turns: int, docker: str | None) -> None:
 
 
 def parser_throughput(rounds: int) -> None:
-    streams = {p.stem: [line for d, line in load_recording(p) if d == "out"] for p in sorted(DATA.glob("*.jsonl"))}
+    streams = {p.stem: [line for d, line in load_stream(p) if d == "out"] for p in sorted(DATA.glob("*.jsonl"))}
     n_lines = sum(len(v) for v in streams.values())
     n_bytes = sum(len(x) for v in streams.values() for x in v)
     t0 = time.perf_counter()
@@ -167,7 +155,7 @@ def parser_throughput(rounds: int) -> None:
 
     from tests.unit.test_pi_support import launch_for, recorded_locator
 
-    recorded = {name: load_recording(DATA / f"{name}.jsonl")
+    recorded = {name: load_stream(DATA / f"{name}.jsonl")
                 for name in ("tool_call", "terminal_400", "retry_success", "retry_exhausted", "overflow_stale")}
 
     async def one_round() -> int:

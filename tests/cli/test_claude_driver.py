@@ -41,6 +41,7 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
+from drivers.replay import RecordingTransport
 from drivers.transport import LocalProcessTransport
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
@@ -54,34 +55,6 @@ AGENT_INPUT = {"description": "child task", "prompt": "CHILD do the work", "suba
 
 
 # ---------------------------------------------------------------- harness
-
-
-class RecordingTransport:
-    """Wraps a transport and keeps every line both ways (the secret header is sent by
-    ``LocalProcessTransport.start`` before wrapping, so it is never recorded)."""
-
-    def __init__(self, inner: LocalProcessTransport, log: list[tuple[str, bytes]]) -> None:
-        self.inner, self.log = inner, log
-
-    async def send(self, line: bytes) -> None:
-        self.log.append(("send", line.rstrip(b"\n")))
-        await self.inner.send(line)
-
-    async def receive(self) -> bytes | None:
-        line = await self.inner.receive()
-        if line is not None:
-            self.log.append(("recv", line))
-        return line
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-    def diagnostics(self) -> str:
-        return self.inner.diagnostics()
 
 
 class Box:

@@ -27,7 +27,6 @@ from deploy.loopback import LoopbackFixture, Message, cut, default_reply, fail, 
 from deploy.loopback.behaviour import OPENAI_CONTEXT_MESSAGE, TERMINAL_MESSAGE
 from drivers.codex import CodexDriver, CodexSession, CodexSettings
 from drivers.codex_config import render_config
-from drivers.codex_replay import Entry, RecordingTransport, dump_stream, load_stream
 from drivers.models import (
     FailureReason,
     GatewayConfig,
@@ -43,6 +42,7 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
+from drivers.replay import Entry, RecordingTransport, dump_stream, load_stream
 from drivers.transport import LocalProcessTransport
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]

@@ -17,8 +17,8 @@ from drivers.codex_protocol import (
     failure_reason,
     kind_of,
 )
-from drivers.codex_replay import load_stream
 from drivers.models import ErrorNotice, FailureReason, Locator, Notice, RetryNotice, TextDelta, ToolFinished, ToolStarted
+from drivers.replay import load_stream
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "codex"
 

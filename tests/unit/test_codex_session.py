@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drivers.codex import CodexDriver, CodexSession, CodexSettings
-from drivers.codex_replay import Entry, ReplayTransport, load_stream
+from drivers.codex_replay import ReplayTransport
 from drivers.models import (
     ErrorNotice,
     FailureReason,
@@ -30,6 +30,7 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
+from drivers.replay import Entry, load_stream
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "codex"
 PATHS = MemberPaths(home="/home/agent/m", workspace="/home/agent/workspace", run_dir="/home/agent/run")

@@ -10,14 +10,15 @@ from drivers.base import Launch
 from drivers.launch import LaunchSpec
 from drivers.models import DriverEvent, Locator
 from drivers.pi import PiSession, PiSettings
-from drivers.pi_replay import Entry, ScriptedPiTransport, load_recording
+from drivers.pi_replay import ScriptedPiTransport
+from drivers.replay import Entry, load_stream
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "pi"
 RECORDINGS = ("tool_call", "terminal_400", "retry_success", "retry_exhausted", "abort", "overflow_stale")
 
 
 def recording(name: str) -> list[Entry]:
-    return load_recording(DATA / f"{name}.jsonl")
+    return load_stream(DATA / f"{name}.jsonl")
 
 
 def first_state(entries: list[Entry]) -> dict[str, Any]:

@@ -3,7 +3,7 @@
     PI_BIN_DIR=/path/to/dir/with/pi/and/node uv run python tests/data/pi/capture.py
 
 Each scenario runs the real :class:`drivers.pi.PiDriver` on a fresh NEW member with a
-:class:`drivers.pi_replay.RecordingTransport`, so a file holds exactly what the driver sent
+:class:`drivers.replay.RecordingTransport`, so a file holds exactly what the driver sent
 (``in``) and what pi printed (``out``): the handshake ``get_state``, the turn(s), the
 barriers. Trimming: ``message_update`` loses its ``partial`` snapshot (the driver never
 reads it: it is a mutated object, protocols/pi.md §3) and ``get_state`` answers lose the
@@ -28,7 +28,8 @@ from deploy.loopback import rules as R  # noqa: E402
 from deploy.loopback.server import LoopbackFixture  # noqa: E402
 from drivers.models import GatewayConfig, MemberPaths  # noqa: E402
 from drivers.pi import PiDriver  # noqa: E402
-from drivers.pi_replay import RecordingTransport, dump_recording  # noqa: E402
+from drivers.pi_replay import PI_DIRECTIONS  # noqa: E402
+from drivers.replay import RecordingTransport, dump_stream  # noqa: E402
 from drivers.transport import LocalProcessTransport  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
@@ -59,7 +60,7 @@ async def scenario(fx: LoopbackFixture, name: str, messages: list[str], *, inter
     if drop_key:  # the key variable never reaches pi: models.json's `!printenv` yields nothing
         launch = launch.model_copy(update={"spec": launch.spec.model_copy(update={"secret_env": {}})})
     inner = await LocalProcessTransport.start(launch.spec, run_dir=Path(paths.run_dir))
-    rec = RecordingTransport(inner)
+    rec = RecordingTransport(inner, directions=PI_DIRECTIONS)
     session = driver.session(rec, launch)
     try:
         await session.handshake()
@@ -82,7 +83,7 @@ async def scenario(fx: LoopbackFixture, name: str, messages: list[str], *, inter
         await inner.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     entries = [(d, trim(line) if d == "out" else line) for d, line in rec.entries]
-    dump_recording(entries, OUT / f"{name}.jsonl")
+    dump_stream(entries, OUT / f"{name}.jsonl", errors="strict")
 
 
 async def main() -> None:

@@ -64,7 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="daemon URL (default $CLOUD_AGENT_URL or http://127.0.0.1:8765)")
     p.add_argument("--token-file", help="service token file (default $CLOUD_AGENT_SERVICE_TOKEN_FILE)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    # --json is accepted after the subcommand too (`cloud-agent run ... --json`)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = p.add_subparsers(dest="command", required=True)
+    _add = sub.add_parser
+    sub.add_parser = lambda *a, **kw: _add(*a, parents=[common], **kw)  # type: ignore[method-assign]
 
     s = sub.add_parser("serve", help="run the host daemon")
     s.add_argument("--host")

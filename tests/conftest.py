@@ -36,3 +36,34 @@ def sandbox_image(docker_client) -> str:
     from images.build import ensure_image
 
     return ensure_image()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_this_modules_sandboxes():
+    """Retained sandboxes outlive their daemon by design; tests must not leave theirs behind.
+
+    Module scope, autouse: torn down after the module's own (module-scoped) daemons, so a
+    daemon restart inside a module still finds its sandboxes.
+    """
+    from datetime import UTC, datetime
+
+    started = datetime.now(UTC)
+    yield
+    from deploy.engine import EngineConfig, ping
+
+    cfg = EngineConfig.from_env()
+    if not ping(cfg.socket_path):
+        return
+    import docker
+
+    client = docker.DockerClient(base_url=f"unix://{cfg.socket_path}")
+    try:
+        for c in client.containers.list(all=True, filters={"label": "org.cloud-agent.sandbox=1"}):
+            created = datetime.fromisoformat(c.attrs["Created"][:26].rstrip("Z") + "+00:00")
+            if created >= started:
+                try:
+                    c.remove(force=True)
+                except docker.errors.APIError:
+                    pass
+    finally:
+        client.close()

@@ -1,0 +1,396 @@
+"""Request-history regression matrix (SPEC 9.1): the five pinned CLIs x seven scenarios.
+
+Full stack: daemon HTTP API -> runner -> retained sandbox -> real pinned CLI -> loopback
+fixture. Every assertion is on what the fixture recorded: each conversational request of a
+turn must carry exactly the expected user/assistant history (text, roles, order and
+occurrences; CLI annotations such as Claude's system reminders, Codex's environment
+context and Kilo's environment details are stripped by the audit), and the requests of each
+turn are counted by kind (conversation / title / subagent / summary), so a side request can
+never pass for the conversation or hide in it. A failure prints the audit's diff (expected
+vs observed) and every request of the turn (``history_helpers.TurnResult.describe``).
+
+Scenarios: 1 live follow-ups (a question asked twice), 2 immediate close/restore, 3 idle
+stop/restore, 4 a transient error the CLI retries, 5 Claude's retry -> retire -> native
+restore (plus the control run with retirement disabled), 6 a terminal rejection and a
+context-window refusal followed by follow-ups, 7 a native fork at a historical turn.
+
+The suite shares one daemon and one loopback fixture per module (``tests/regression/
+conftest.py``); each scenario has its own chat, and every fixture rule matches text unique
+to its test. The matrix with each scenario's duration is printed at the end of the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from deploy.loopback import Message, compare_history, context_too_long, default_reply, fail, reject, user_texts
+import runner.turn
+from tests.daemon_harness import RunningDaemon
+from tests.regression.conftest import regression_daemon
+from tests.regression.history_helpers import Member, TurnResult, assert_requests, mark_summaries, summary_marker, token
+
+pytestmark = [pytest.mark.regression, pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
+RUNTIMES = ["claude", "codex", "pi", "opencode", "kilo"]
+
+# ---------------------------------------------------------------- the matrix printout
+
+_MATRIX: list[tuple[str, str, str, float]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _matrix_report(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if tr is None or not _MATRIX:
+        return
+    lines = ["", "request-history matrix (scenario, runtime, result, seconds):"]
+    lines += [f"  {scenario:<42} {runtime:<9} {result:<5} {seconds:7.2f}" for scenario, runtime, result, seconds in _MATRIX]
+    lines.append(f"  sum of scenario durations: {sum(s for *_, s in _MATRIX):.1f}s")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        for line in lines:
+            tr.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _timed(request: pytest.FixtureRequest) -> Iterator[None]:
+    failed_before = request.session.testsfailed
+    t0 = time.monotonic()
+    yield
+    params = request.node.callspec.params if hasattr(request.node, "callspec") else {}
+    extra = "".join(f"[{k}={v}]" for k, v in params.items() if k != "runtime")
+    result = "FAIL" if request.session.testsfailed > failed_before else "pass"
+    _MATRIX.append((request.node.originalname.removeprefix("test_") + extra, params.get("runtime", "claude"),
+                    result, time.monotonic() - t0))
+
+
+# ---------------------------------------------------------------- 1. live follow-ups
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_live_followups(runtime: str, daemon: RunningDaemon, fx) -> None:
+    """One resident process: NEW, then LIVE follow-ups. The same question is asked twice and
+    both occurrences must be in the history (the fixture's answers to them differ only
+    because the number of user messages differs). No side request is made by any CLI."""
+    m = Member(daemon, fx, runtime)
+    same = "Which colour is the sky on a clear day?"
+    first = await m.turn(same, "NEW")
+    await m.turn("Name a prime number between 10 and 20.", "LIVE")
+    await m.turn(same, "LIVE")
+    last = await m.turn("Thanks, that is all.", "LIVE")
+    assert user_texts(m.history).count(same) == 2 and len(m.history) == 8
+    assert last.receipt["locator_before"] == first.receipt["locator_after"] == last.receipt["locator_after"]
+
+
+# ---------------------------------------------------------------- 2. immediate close / restore
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_close_restore(runtime: str, daemon: RunningDaemon, fx) -> None:
+    """The resident process is retired right after a turn settles (Claude's transcript
+    flush window included); the next turn resumes the saved locator in the same container
+    (RESTORED) with the whole history, and the turn after it is LIVE on that process."""
+    m = Member(daemon, fx, runtime)
+    first = await m.turn("Remember the word 'lantern'.", "NEW")
+    await m.retire()
+    assert (await m.member_status())["resident"] is False
+    restored = await m.turn("Which word did I ask you to remember?", "RESTORED")
+    live = await m.turn("Still there?", "LIVE")
+    locator = first.receipt["locator_after"]
+    for t in (restored, live):
+        assert t.receipt["locator_before"] == locator == t.receipt["locator_after"]
+        assert t.receipt["sandbox"]["container_id"] == first.receipt["sandbox"]["container_id"]
+
+
+# ---------------------------------------------------------------- 3. idle stop / restore
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_idle_stop_restore(runtime: str, daemon: RunningDaemon, fx, docker_client) -> None:
+    """The chat's container is stopped through the stop route (writable layer kept) and
+    started again by the next turn, which resumes the saved locator (RESTORED)."""
+    m = Member(daemon, fx, runtime)
+    first = await m.turn("Plan: paint the fence.", "NEW")
+    await m.turn("Then: water the plants.", "LIVE")
+    container = first.receipt["sandbox"]["container_id"]
+    await m.stop()
+    assert docker_client.containers.get(container).status == "exited"
+    status = await m.status()
+    assert status["sandbox"]["state"] == "stopped" and status["members"][0]["resident"] is False
+    restored = await m.turn("What was the plan?", "RESTORED")
+    await m.turn("Good, carry on.", "LIVE")
+    assert restored.receipt["sandbox"]["container_id"] == container
+    assert restored.receipt["locator_before"] == first.receipt["locator_after"] == restored.receipt["locator_after"]
+
+
+# ---------------------------------------------------------------- 4. a transient error the CLI retries
+
+# Per CLI: the injected transient error, and the retry events the turn reports as
+# (attempt, HTTP status). Every CLI retries inside the same native turn (the driver never
+# resends the message): Claude (api_retry, CLAUDE_CODE_MAX_RETRIES=2) and pi (auto-retry,
+# 1 s base delay; "overloaded" is in its retryable wording) get a 529 on the Anthropic API;
+# Codex retries a 500 silently (no event); OpenCode/Kilo retry a 500 after the
+# ``retry-after-ms`` delay and report the attempt without a status.
+TRANSIENT: dict[str, tuple[dict[str, Any], list[tuple[int, int | None]]]] = {
+    "claude": ({"status": 529}, [(1, 529)]),
+    "codex": ({"status": 500}, []),
+    "pi": ({"status": 529}, [(1, 529)]),
+    "opencode": ({"status": 500, "retry_after_ms": 50}, [(1, None)]),
+    "kilo": ({"status": 500, "retry_after_ms": 50}, [(1, None)]),
+}
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_transient_error_retried(runtime: str, daemon: RunningDaemon, fx) -> None:
+    """The fixture fails the turn's first model request once; the CLI really retries: two
+    conversational requests for the turn (the error, then 200), both carrying the same
+    history, and one successful settlement. The follow-up carries everything; it is LIVE
+    except for Claude, whose process is retired after a turn with api_retry (SPEC 6)."""
+    m = Member(daemon, fx, runtime)
+    await m.turn("Start: list three fruits.", "NEW")
+    spec, retries = TRANSIENT[runtime]
+    flaky = token("flaky")
+    fx.add_rule(fail(spec["status"], retry_after_ms=spec.get("retry_after_ms"), match=flaky, times=1))
+    t = await m.turn(f"Now a flaky one ({flaky}).", "LIVE", kinds={"conversation": 2})
+    assert t.statuses() == [spec["status"], 200], t.describe()
+    assert [(e["attempt"], e["status"]) for e in t.event_kinds("retry")] == retries, t.events
+    await m.turn("After the flake: anything else?", "RESTORED" if runtime == "claude" else "LIVE")
+
+
+# ---------------------------------------------------------------- 5. Claude: retry -> retire -> restore
+
+
+def retry_defect_turns(m: Member, fx) -> dict[str, str]:
+    """Messages of the retry-defect sequence, with their fixture rules installed: the
+    first turn's first request fails once with a 529 (Claude retries it: api_retry), the
+    second is rejected with a terminal 400 (the *delayed* API error), then a follow-up, a
+    retire, and a turn on the restored process."""
+    flaky, bad = token("flaky"), token("bad")
+    msgs = {"retried": f"First question, answered after a retry ({flaky}).",
+            "rejected": f"Second question, rejected ({bad}).",
+            "follow": "Third: the follow-up after the rejection.",
+            "restored": "Fourth: after the restore."}
+    fx.add_rules(fail(529, match=flaky, times=1), reject(match=f"^{re.escape(msgs['rejected'])}$", regex=True))
+    return msgs
+
+
+async def test_claude_retry_retires_then_restores_full_history(daemon: RunningDaemon, fx) -> None:
+    """SPEC 6, the fixed path: a turn with a successful internal retry (``api_retry``)
+    settles, its verified locator is saved, and the process is retired (the status route
+    shows the member not resident; the retry is in the turn's events). The next turn
+    resumes the same session in the same container (RESTORED) — here it is rejected by the
+    API (the delayed error that damages the transcript of a process that retried) — and the
+    follow-up and a later native restore carry the complete history."""
+    m = Member(daemon, fx, "claude")
+    msgs = retry_defect_turns(m, fx)
+    t = await m.turn(msgs["retried"], "NEW", kinds={"conversation": 2})
+    assert t.statuses() == [529, 200]
+    assert [(e["attempt"], e["status"]) for e in t.event_kinds("retry")] == [(1, 529)], t.events
+    member = await m.member_status()
+    assert member["resident"] is False, member  # retired after the commit
+    assert (member["settled_turns"], member["locator"]["id"], member["last_outcome"]) == (
+        1, t.receipt["locator_after"], "succeeded")
+    assert t.receipt["job_id"] in [r["job_id"] for r in (await m.status())["last_receipts"]]
+
+    rejected = await m.failed_turn(msgs["rejected"], "RESTORED", "api_error")
+    assert rejected.receipt["locator_before"] == t.receipt["locator_after"]
+    assert (await m.member_status())["resident"] is True  # no retry in that turn: the process stays
+    # Claude keeps the failed prompt and merges it into the next user message (two blocks,
+    # the first ending in "\n"; the audit joins blocks with "").
+    merged = [*m.history, Message.user(msgs["rejected"] + "\n" + msgs["follow"])]
+    await m.turn(msgs["follow"], "LIVE", expected=merged)
+    await m.retire()
+    await m.turn(msgs["restored"], "RESTORED")
+    assert user_texts(m.history)[0] == msgs["retried"] and len(m.history) == 6
+
+
+@pytest.fixture(scope="module")
+async def control_daemon(fx, sandbox_image: str, docker_client: Any,
+                         tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningDaemon]:
+    """A daemon whose runner never retires a process after api_retry (test seam)."""
+    async with regression_daemon(fx, sandbox_image, docker_client, tmp_path_factory.mktemp("control"),
+                                 hooks=runner.turn.TestHooks(disable_retire_after=True)) as d:
+        yield d
+
+
+async def test_claude_retry_defect_control_without_retirement(control_daemon: RunningDaemon, fx) -> None:
+    """CONTROL RUN (observed on the pinned Claude Code 2.1.220; process retirement disabled
+    with ``TestHooks(disable_retire_after=True)``), the same sequence as the fixed path:
+
+    1. turn 1: the first request gets a 529, Claude retries (``api_retry``) and the reply
+       succeeds; the process stays resident;
+    2. turn 2 in the SAME process is rejected with a 400 (a delayed API error);
+    3. the LIVE follow-up is correct: [u1, a1, u2 + "\\n" + u3] (the failed prompt merged);
+    4. after a retire, the native restore (``--resume``) DROPS a1, the retried reply: the
+       model gets [u1 + "\\n" + u2 + "\\n" + u3, a3, u4] — the first user message no longer
+       exists on its own (it is merged with the later prompts), which is the reproduction's
+       "first user message missing". Mechanism seen in the transcript: when the delayed
+       error is written, 2.1.220 also appends a ``system`` entry whose ``parentUuid`` is the
+       entry before the retried reply (the state captured at the retry), and the next user
+       entry hangs off it, so the resumed parent chain skips the reply. (With the retry on a
+       later turn, the same happens to that turn's reply.)
+
+    The assertions pin exactly this observation; if a Claude pin stops reproducing it,
+    this test fails and says so. The suite's guarantee is the fixed path above.
+    """
+    m = Member(control_daemon, fx, "claude")
+    msgs = retry_defect_turns(m, fx)
+    t = await m.turn(msgs["retried"], "NEW", kinds={"conversation": 2})
+    assert t.statuses() == [529, 200] and len(t.event_kinds("retry")) == 1
+    assert (await m.member_status())["resident"] is True  # not retired: the seam is on
+    await m.failed_turn(msgs["rejected"], "LIVE", "api_error")
+    live = [*m.history, Message.user(msgs["rejected"] + "\n" + msgs["follow"])]
+    await m.turn(msgs["follow"], "LIVE", expected=live)  # the LIVE continuation is intact
+    complete = [*m.history, Message.user(msgs["restored"])]
+    await m.retire()
+    restored = await m.send(msgs["restored"])
+    observed = restored.conversation[-1].conversation() if restored.conversation else []
+    a3 = m.history[-1]
+    defect = [Message.user(msgs["retried"] + "\n" + msgs["rejected"] + "\n" + msgs["follow"]), a3,
+              Message.user(msgs["restored"])]
+    diff = compare_history(complete, observed)
+    report = f"observed restore (expected the 2.1.220 defect shape):\n{diff}\n{restored.describe()}"
+    assert (restored.receipt["context_status"], restored.receipt["outcome"]) == ("RESTORED", "succeeded"), report
+    assert restored.kinds() == {"conversation": 1}, report
+    assert compare_history(defect, observed).ok, report
+    assert not diff.ok and Message.assistant(default_reply([msgs["retried"]])) not in observed, report
+    assert restored.receipt["assistant_text"] == default_reply(user_texts(defect))
+
+
+# ---------------------------------------------------------------- 6. terminal rejection, context window
+
+# What each CLI sends after a failed (rejected) prompt, besides every earlier successful
+# message (measured on the pinned versions):
+# * Claude keeps the failed prompt and merges it into the next user message
+#   (failed + "\n" + next); its synthetic "API Error: 400 …" reply is not sent.
+# * Codex, pi, OpenCode and Kilo keep the failed prompt as its own user message with no
+#   assistant reply after it (two user messages in a row).
+MERGES_FAILED_PROMPT = {"claude"}
+
+# A context-window refusal (HTTP 400 with the vendor's wording) -> reason context_too_long,
+# then each CLI's own overflow recovery (native behaviour, not the supervisor's):
+# * Claude: reactive compaction inside the refused turn (conversation 400, summary, retried
+#   conversation 400); its history is then [summary + the last surviving prompt block, …].
+# * pi: the same inside the refused turn; its history is then [summary, everything verbatim].
+# * Codex: nothing more in the refused turn; the NEXT turn first compacts (a summary side
+#   request) and sends only the user messages, the summary as a user message, then the
+#   new prompt (assistant replies survive only inside the summary).
+# * OpenCode/Kilo: compaction is off in the driver config: the history stays verbatim.
+REFUSAL_KINDS = {
+    "claude": ({"conversation": 2, "summary": 1}, {"conversation": 1}),
+    "pi": ({"conversation": 2, "summary": 1}, {"conversation": 1}),
+    "codex": ({"conversation": 1}, {"conversation": 1, "summary": 1}),
+    "opencode": ({"conversation": 1}, {"conversation": 1}),
+    "kilo": ({"conversation": 1}, {"conversation": 1}),
+}
+
+
+def _summary_of(t: TurnResult) -> str:
+    summaries = [r.reply_text for r in t.requests if r.kind == "summary"]
+    assert len(summaries) == 1 and summaries[0], t.describe()
+    return summaries[0]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_terminal_rejection_then_followup(runtime: str, daemon: RunningDaemon, fx) -> None:
+    """A terminal API rejection (400) is a settled failure (``failed``, reason
+    ``api_error``, locator kept, one request: not retried); the LIVE follow-up carries every
+    earlier successful message plus the failed prompt as each CLI keeps it (see
+    MERGES_FAILED_PROMPT). Then a context-window refusal -> ``context_too_long``, and the
+    follow-ups carry exactly what each CLI's overflow recovery leaves (REFUSAL_KINDS)."""
+    m = Member(daemon, fx, runtime)
+    await m.turn("Good start: say hi.", "NEW")
+    bad = f"Please fail this one ({token('reject')})."
+    fx.add_rule(reject(match=f"^{re.escape(bad)}$", regex=True))
+    rejected = await m.failed_turn(bad, "LIVE", "api_error")
+    assert "fixture: request rejected (terminal)" in (rejected.receipt["settlement"]["detail"] or "")
+    follow = "After the rejection: are you there?"
+    if runtime in MERGES_FAILED_PROMPT:
+        expected = [*m.history, Message.user(bad + "\n" + follow)]
+    else:
+        expected = [*m.history, Message.user(bad), Message.user(follow)]
+    await m.turn(follow, "LIVE", expected=expected)
+    before_refusal = list(m.history)
+
+    huge = f"Huge input ({token('huge')})."
+    fx.add_rule(context_too_long(match=f"^{re.escape(huge)}$", regex=True))
+    refusal_kinds, follow_kinds = REFUSAL_KINDS[runtime]
+    refused = await m.failed_turn(huge, "LIVE", "context_too_long", kinds=refusal_kinds,
+                                  statuses=[400] * refusal_kinds["conversation"])
+    follow2 = "After the context refusal: still there?"
+    mark = mark_summaries(runtime)
+    if runtime == "claude":
+        # the retried request after compaction: summary + the last block of the merged
+        # prompt (the follow-up), its reply, the refused prompt
+        s = summary_marker(_summary_of(refused))
+        compacted = [Message.user(s + "\n" + follow), before_refusal[-1]]
+        assert_requests(refused, [*compacted, Message.user(huge)], runtime, which=slice(1, 2), transform=mark)
+        expected = [*compacted, Message.user(huge + "\n" + follow2)]
+        await m.turn(follow2, "LIVE", expected=expected, kinds=follow_kinds, transform=mark)
+    elif runtime == "pi":
+        s = summary_marker(_summary_of(refused))
+        assert_requests(refused, [Message.user(s), *before_refusal, Message.user(huge)], runtime,
+                        which=slice(1, 2), transform=mark)
+        expected = [Message.user(s), *before_refusal, Message.user(huge), Message.user(follow2)]
+        await m.turn(follow2, "LIVE", expected=expected, kinds=follow_kinds, transform=mark)
+    elif runtime == "codex":
+        t = await m.send(follow2)
+        s = summary_marker(_summary_of(t))
+        expected = [Message.user(u) for u in user_texts(before_refusal)] + [
+            Message.user(huge), Message.user(s), Message.user(follow2)]
+        assert (t.receipt["context_status"], t.receipt["outcome"]) == ("LIVE", "succeeded"), t.describe()
+        assert t.kinds() == follow_kinds, t.describe()
+        assert_requests(t, expected, runtime, transform=mark)
+        assert t.receipt["assistant_text"] == default_reply(user_texts(expected))
+        m.history = [*expected, Message.assistant(t.receipt["assistant_text"])]
+    else:
+        expected = [*before_refusal, Message.user(huge), Message.user(follow2)]
+        await m.turn(follow2, "LIVE", expected=expected, kinds=follow_kinds)
+    # from here on the history just grows by each settled turn
+    await m.turn("And one more.", "LIVE", transform=mark)
+
+
+# ---------------------------------------------------------------- 7. native fork at a historical turn
+
+# The fork's first turn: Claude forks lazily when the new member's first turn starts
+# (--resume PARENT --fork-session --resume-session-at …), so that turn is NEW; the others
+# fork eagerly in the route and the first turn resumes the fork (RESTORED). The parent's
+# next turn: the eager forks retire the parent's process first (one writer per native
+# session), so it is RESTORED; Claude's parent keeps its LIVE process.
+FORK_STATUS = {"claude": ("NEW", "LIVE")}
+DEFAULT_FORK_STATUS = ("RESTORED", "RESTORED")
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_fork_at_historical_turn(runtime: str, daemon: RunningDaemon, fx) -> None:
+    """Fork at turn 2 of 3 through the fork route: the fork's first request carries exactly
+    the two-turn prefix, its next turn its own history; the parent continues unaffected
+    (its next request carries all three turns, not the fork's)."""
+    parent = Member(daemon, fx, runtime)
+    await parent.turn("Fork test one: apples.", "NEW")
+    await parent.turn("Fork test two: pears.", "LIVE")
+    prefix = list(parent.history)
+    third = await parent.turn("Fork test three: plums.", "LIVE")
+    resp = await parent.fork("m2", at_turn=2)
+    lazy = runtime == "claude"
+    assert (resp["member_id"], resp["runtime"], resp["forked_from"], resp["at_turn"], resp["pending"]) == (
+        "m2", runtime, "m1", 2, lazy), resp
+    assert (resp["locator"] is None) == lazy and (lazy or resp["locator"]["id"] != third.receipt["locator_after"])
+    fork_status, parent_status = FORK_STATUS.get(runtime, DEFAULT_FORK_STATUS)
+    fork = parent.sibling("m2", prefix)
+    first = await fork.turn("In the fork: which fruits so far?", fork_status)
+    assert first.receipt["locator_after"] not in (None, third.receipt["locator_after"])
+    await fork.turn("In the fork again: and now?", "LIVE")
+    after = await parent.turn("In the parent: and now?", parent_status)
+    assert after.receipt["locator_after"] == third.receipt["locator_after"]
+    # settled_turns of the fork: the eager forks start at at_turn (2) and count their own
+    # turns on top; Claude's lazy fork starts at 0 (its first turn is NEW).
+    members = {x["member_id"]: x for x in (await parent.status())["members"]}
+    assert (members["m1"]["settled_turns"], members["m2"]["settled_turns"], members["m2"]["forked_from"]) == (
+        4, 2 if lazy else 4, "m1"), members

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 
 from deploy.loopback import (
     LoopbackFixture,
@@ -54,7 +53,6 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
-from drivers.transport import LocalProcessTransport
 from images.pins import load_pins
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
@@ -68,93 +66,40 @@ RUNTIMES = ["opencode", "kilo"]
 TURN_S = 90.0
 
 
-class Box:
-    """One container; members live under ``root`` (bind-mounted at the same path)."""
+class Box(DriverBox):
+    key = KEY
 
     def __init__(self, container: Any, root: Path, fx: LoopbackFixture, name: str) -> None:
-        self.container, self.root, self.fx, self.name = container, root, fx, name
-        self.gateway = GatewayConfig(base_url=fx.base_url, key=KEY, model=MODEL)
-        self.procs: list[tuple[LocalProcessTransport, Path]] = []
+        super().__init__(container, root, fx, name)
         self.traces: list[Path] = []
-
-    def member(self, name: str) -> MemberPaths:
-        base = self.root / name
-        return MemberPaths(home=str(base / "home"), workspace=str(base / "ws"), run_dir=str(base / "run"))
-
-    def exec(self, *argv: str) -> str:
-        rc, out = self.container.exec_run(list(argv), user="agent")
-        assert rc == 0, out
-        return out.decode()
-
-    def _own(self) -> None:
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            for name in [*dirnames, *filenames]:
-                os.lchown(os.path.join(dirpath, name), 1000, 1000)
-        os.chown(self.root, 1000, 1000)
 
     async def start(self, paths: MemberPaths, runtime: str, resume: Locator | None = None, *,
                     bridge_args: tuple[str, ...] = (), config: dict[str, Any] | None = None,
                     gateway: GatewayConfig | None = None, git: bool = False) -> BridgeSession:
-        run_dir = Path(paths.run_dir) / f"p{len(self.procs) + 1}"
-        trace = run_dir / "trace.jsonl"
+        trace = self.next_run_dir(paths) / "trace.jsonl"
         self.traces.append(trace)
         driver = BridgeDriver(runtime, bridge_args=("--trace", str(trace), *bridge_args), config_overrides=config)
         launch = driver.plan(paths, gateway or self.gateway, resume)
         assert KEY not in json.dumps(launch.spec.model_dump(exclude={"secret_env"}), default=str)
-        launch.spec.materialize_files_locally()
-        run_dir.mkdir(parents=True)
-        self._own()
-        ws = Path(paths.workspace)
-        if git and not (ws / ".git").exists():
+        t = await self.launch(launch.spec, paths, setup_workspace=self._git_commit if git else None)
+        return driver.session(t, launch)
+
+    def _git_commit(self, ws: Path) -> None:
+        if not (ws / ".git").exists():
             # a repository with a commit: the snapshot case (Kilo's transient synthetic part)
             self.exec("sh", "-c", f"cd '{ws}' && git init -q && echo hello > README.md && git add . && "
                       "git -c user.email=t@t -c user.name=t commit -qm init")
-        t = await LocalProcessTransport.start(launch.spec, launcher=("ca-launch",), run_dir=run_dir,
-                                              exec_prefix=("docker", "exec", "-i", "-u", "agent", self.container.id))
-        self.procs.append((t, run_dir))
-        return driver.session(t, launch)
-
-    async def kill(self, session: BridgeSession) -> None:
-        """SIGKILL the bridge's process group inside the container: the server must die too."""
-        t = session.transport
-        run_dir = next(r for p, r in self.procs if p is t)
-        pgid = (run_dir / "cli.pid").read_text().strip()
-        self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-        assert isinstance(t, LocalProcessTransport)
-        with anyio.move_on_after(10):
-            await t.wait()
-        await t.close()
 
     def servers(self) -> list[str]:
         _, out = self.container.exec_run(["ps", "-eo", "pid,args"], user="agent")
         return [line for line in out.decode().splitlines() if " serve --port" in line]
 
     async def shutdown(self) -> None:
-        for t, run_dir in self.procs:
-            if t.returncode is None:
-                try:
-                    pgid = (run_dir / "cli.pid").read_text().strip()
-                    self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-                except OSError:
-                    pass
-                await t.close()
-                with anyio.move_on_after(10):
-                    await t.wait()
+        await super().shutdown()
         if CAPTURE:
             for i, trace in enumerate(self.traces, 1):
                 if trace.exists():
                     dump_trace(trim(load_trace(trace)), DATA / f"{self.name}-{i}.jsonl")
-
-    def dialogue(self, index: int = -1) -> list[Message]:
-        return self.fx.conversation_requests()[index].dialogue()
-
-
-@pytest.fixture(scope="module")
-def root():
-    path = Path(tempfile.mkdtemp(prefix="ca-bridge-", dir="/var/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -164,35 +109,9 @@ def image(request) -> str:
     return request.getfixturevalue("sandbox_image")
 
 
-@pytest.fixture(scope="module")
-def container(docker_client, image, root):
-    volumes = {str(root): {"bind": str(root), "mode": "rw"}}
-    if DEV_MOUNT:
-        volumes[str(BRIDGE_PATH)] = {"bind": "/usr/local/bin/http-agent-live-bridge", "mode": "ro"}
-    c = docker_client.containers.run(image, ["sleep", "infinity"], detach=True, init=True,
-                                     network_mode="host", user="agent", volumes=volumes,
-                                     labels={"cloud-agent.test": "bridge-driver"})
-    yield c
-    c.remove(force=True)
-
-
-@pytest.fixture
-async def box(container, root, request):
-    name = request.node.name.replace("[", "-").replace("]", "")
-    with LoopbackFixture.start(port=0) as fx:
-        b = Box(container, root / name, fx, name)
-        b.root.mkdir(parents=True)
-        try:
-            yield b
-        finally:
-            with anyio.CancelScope(shield=True):
-                await b.shutdown()
-
-
-def ok(outcome: Any) -> Settlement:
-    assert isinstance(outcome, Settlement), outcome
-    assert not outcome.is_error, outcome
-    return outcome
+root, container, box = box_fixtures(
+    "bridge", Box, image="image", name_sep="-",
+    mounts={str(BRIDGE_PATH): {"bind": "/usr/local/bin/http-agent-live-bridge", "mode": "ro"}} if DEV_MOUNT else None)
 
 
 def failed(outcome: Any, reason: FailureReason) -> Settlement:

@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 
 from deploy.loopback import LoopbackFixture, Message, default_reply, fail, reject, shell_call, stall, tool_call
 from deploy.loopback.behaviour import TERMINAL_MESSAGE
 from drivers.claude import ClaudeDriver, ClaudeSession, ClaudeSettings
 from drivers.claude_protocol import sanitize_project_dir
-from drivers.launch import LaunchSpec
 from drivers.models import (
     FailureReason,
-    GatewayConfig,
     HandshakeFailed,
     HandshakeReason,
     Locator,
@@ -41,8 +39,6 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
-from drivers.replay import RecordingTransport
-from drivers.transport import LocalProcessTransport
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -57,85 +53,23 @@ AGENT_INPUT = {"description": "child task", "prompt": "CHILD do the work", "suba
 # ---------------------------------------------------------------- harness
 
 
-class Box:
-    """One container; members live under ``root`` (bind-mounted at the same path)."""
+class Box(DriverBox):
+    key = KEY
+    api = "anthropic"
+    shared_workspace = True
 
-    def __init__(self, container: Any, root: Path, fx: LoopbackFixture, settings: ClaudeSettings = SETTINGS) -> None:
-        self.container, self.root, self.fx = container, root, fx
-        self.driver = ClaudeDriver(settings)
-        self.gateway = GatewayConfig(base_url=fx.base_url, key=KEY, model=MODEL)
-        self._n = 0
-        self.procs: list[tuple[LocalProcessTransport, Path]] = []
-
-    def member(self, name: str, workspace: str | None = None) -> MemberPaths:
-        base = self.root / name
-        return MemberPaths(home=str(base / "home"), workspace=workspace or str(self.root / "ws"),
-                           run_dir=str(base / "run"))
-
-    def _own(self) -> None:
-        # Files the harness writes as root must be usable by the image's uid 1000.
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            for name in [*dirnames, *filenames]:
-                os.lchown(os.path.join(dirpath, name), 1000, 1000)
-        os.chown(self.root, 1000, 1000)
-
-    async def start_spec(self, spec: LaunchSpec, paths: MemberPaths,
-                         log: list[tuple[str, bytes]] | None = None) -> LocalProcessTransport | RecordingTransport:
-        spec.materialize_files_locally()
-        self._n += 1
-        run_dir = Path(paths.run_dir) / f"p{self._n}"
-        run_dir.mkdir(parents=True)
-        self._own()
-        t = await LocalProcessTransport.start(spec, launcher=("ca-launch",), run_dir=run_dir,
-                                              exec_prefix=("docker", "exec", "-i", "-u", "agent", self.container.id))
-        self.procs.append((t, run_dir))
-        return RecordingTransport(t, log) if log is not None else t
+    def __init__(self, container: Any, root: Path, fx: LoopbackFixture, name: str) -> None:
+        super().__init__(container, root, fx, name)
+        self.driver = ClaudeDriver(SETTINGS)
 
     async def start(self, paths: MemberPaths, resume: Locator | None = None, *,
                     log: list[tuple[str, bytes]] | None = None, launch: Any = None) -> ClaudeSession:
         launch = launch or self.driver.plan(paths, self.gateway, resume)
-        transport = await self.start_spec(launch.spec, paths, log)
+        transport = await self.launch(launch.spec, paths, log)
         return self.driver.session(transport, launch)
-
-    def _inner(self, session: ClaudeSession) -> LocalProcessTransport:
-        t = session.transport
-        return t.inner if isinstance(t, RecordingTransport) else t  # type: ignore[return-value]
-
-    async def kill(self, session: ClaudeSession) -> None:
-        """SIGKILL the CLI's process group *inside* the container (host pids differ)."""
-        inner = self._inner(session)
-        run_dir = next(r for t, r in self.procs if t is inner)
-        pgid = (run_dir / "cli.pid").read_text().strip()
-        self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-        with anyio.move_on_after(10):
-            await inner.wait()
-        await inner.close()
-
-    async def stop(self, session: ClaudeSession) -> int | None:
-        """Graceful retirement: stdin EOF, the CLI exits on its own."""
-        await session.close()
-        inner = self._inner(session)
-        with anyio.move_on_after(15):
-            return await inner.wait()
-        return None
-
-    async def shutdown(self) -> None:
-        for t, run_dir in self.procs:
-            if t.returncode is None:
-                try:
-                    pgid = (run_dir / "cli.pid").read_text().strip()
-                    self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-                except OSError:
-                    pass
-                await t.close()
-                with anyio.move_on_after(10):
-                    await t.wait()
 
     def model_requests(self) -> list[Any]:
         return [r for r in self.fx.requests() if r.method == "POST"]
-
-    def dialogue(self, index: int = -1) -> list[Message]:
-        return self.fx.conversation_requests(api="anthropic")[index].dialogue()
 
     def last_user_block(self) -> str:
         """The exact text of the last user content block the model received."""
@@ -145,40 +79,7 @@ class Box:
         return content if isinstance(content, str) else [b for b in content if b.get("type") == "text"][-1]["text"]
 
 
-@pytest.fixture(scope="module")
-def root():
-    path = Path(tempfile.mkdtemp(prefix="ca-claude-", dir="/var/tmp"))
-    path.chmod(0o755)  # uid 1000 in the container must traverse it
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def container(docker_client, sandbox_image, root):
-    c = docker_client.containers.run(sandbox_image, ["sleep", "infinity"], detach=True, init=True,
-                                     network_mode="host", user="agent",
-                                     volumes={str(root): {"bind": str(root), "mode": "rw"}},
-                                     labels={"cloud-agent.test": "claude-driver"})
-    yield c
-    c.remove(force=True)
-
-
-@pytest.fixture
-async def box(container, root, request):
-    with LoopbackFixture.start(port=0) as fx:
-        b = Box(container, root / request.node.name.replace("[", "_").replace("]", ""), fx)
-        b.root.mkdir(parents=True)
-        try:
-            yield b
-        finally:
-            with anyio.CancelScope(shield=True):
-                await b.shutdown()
-
-
-def ok(outcome: Any) -> Settlement:
-    assert isinstance(outcome, Settlement), outcome
-    assert not outcome.is_error, outcome
-    return outcome
+root, container, box = box_fixtures("claude", Box)
 
 
 async def wait_flushed(transcript: Path, needle: str, timeout_s: float = 5.0) -> None:
@@ -335,10 +236,6 @@ async def test_terminal_400_is_a_settled_failure_and_history_survives(box: Box, 
 # ---------------------------------------------------------------- interrupt / timeout / cancel / death
 
 
-async def _until_stalled(box: Box) -> None:
-    await anyio.to_thread.run_sync(lambda: box.fx.wait_for(lambda rs: any(r.action == "stall" for r in rs), 30))
-
-
 async def test_timeout_interrupts_then_not_settled_and_the_process_stays_usable(box: Box) -> None:
     box.fx.add_rules(stall(30, match="STALL", times=1))
     s = await new_session(box)
@@ -360,7 +257,7 @@ async def test_cancellation_interrupts_and_reraises(box: Box) -> None:
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
             async def cancel_soon() -> None:
-                await _until_stalled(box)
+                await box.until_stalled()
                 scope.cancel()
             tg.start_soon(cancel_soon)
             await s.run_turn("STALL then cancel", timeout_s=60)
@@ -382,7 +279,7 @@ async def test_process_death_mid_turn_is_transport_closed(box: Box) -> None:
         async def turn() -> None:
             result.append(await s.run_turn("STALL then die", timeout_s=60))
         tg.start_soon(turn)
-        await _until_stalled(box)
+        await box.until_stalled()
         await box.kill(s)
     assert isinstance(result[0], NotSettled) and result[0].reason is NotSettledReason.TRANSPORT_CLOSED
 
@@ -641,7 +538,7 @@ async def test_capture_streams(box: Box) -> None:
     bg = box.driver.plan(box.member("background"), box.gateway, None)
     env = {k: v for k, v in bg.spec.env.items() if k != "CLAUDE_CODE_DISABLE_BACKGROUND_TASKS"}
     bg = bg.model_copy(update={"spec": bg.spec.model_copy(update={"env": env})})
-    t = await box.start_spec(bg.spec, box.member("background"), log)
+    t = await box.launch(bg.spec, box.member("background"), log)
     s = box.driver.session(t, bg)
     await s.handshake()
     # settles only after the early idle, the child's events, the origin turn and the last idle

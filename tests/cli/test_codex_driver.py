@@ -11,17 +11,15 @@ recorded wire streams under tests/data/codex/ used by the unit tests.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 
 from deploy.loopback import LoopbackFixture, Message, cut, default_reply, fail, reject, shell_call, stall
 from deploy.loopback.behaviour import OPENAI_CONTEXT_MESSAGE, TERMINAL_MESSAGE
@@ -29,7 +27,6 @@ from drivers.codex import CodexDriver, CodexSession, CodexSettings
 from drivers.codex_config import render_config
 from drivers.models import (
     FailureReason,
-    GatewayConfig,
     HandshakeFailed,
     HandshakeReason,
     Locator,
@@ -42,8 +39,7 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
-from drivers.replay import Entry, RecordingTransport, dump_stream, load_stream
-from drivers.transport import LocalProcessTransport
+from drivers.replay import Entry, dump_stream, load_stream
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -57,114 +53,26 @@ SETTINGS = CodexSettings(request_max_retries=1, stream_max_retries=1, stream_idl
 # ---------------------------------------------------------------- harness
 
 
-class Box:
-    """One container; members live under ``root`` (bind-mounted at the same path)."""
+class Box(DriverBox):
+    key = KEY
+    api = "responses"
 
-    def __init__(self, container: Any, root: Path, fx: LoopbackFixture) -> None:
-        self.container, self.root, self.fx = container, root, fx
+    def __init__(self, container: Any, root: Path, fx: LoopbackFixture, name: str) -> None:
+        super().__init__(container, root, fx, name)
         self.driver = CodexDriver(SETTINGS)
-        self.gateway = GatewayConfig(base_url=fx.base_url, key=KEY, model=MODEL)
-        self._n = 0
-        self.procs: list[tuple[LocalProcessTransport, Path]] = []
-
-    def member(self, name: str) -> MemberPaths:
-        base = self.root / name
-        return MemberPaths(home=str(base / "home"), workspace=str(base / "ws"), run_dir=str(base / "run"))
-
-    def exec(self, *argv: str) -> str:
-        rc, out = self.container.exec_run(list(argv), user="agent")
-        assert rc == 0, out
-        return out.decode()
-
-    def _own(self) -> None:
-        # Files the harness writes as root must be usable by the image's uid 1000.
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            for name in [*dirnames, *filenames]:
-                os.lchown(os.path.join(dirpath, name), 1000, 1000)
-        os.chown(self.root, 1000, 1000)
 
     async def start(self, paths: MemberPaths, resume: Locator | None = None, *,
                     log: list[Entry] | None = None, launch: Any = None) -> CodexSession:
         launch = launch or self.driver.plan(paths, self.gateway, resume)
-        launch.spec.materialize_files_locally()
-        ws = Path(paths.workspace)
-        self._own()
-        if not (ws / ".git").exists():
-            self.exec("git", "init", "-q", str(ws))  # a repo: the case where Codex writes trust entries
-        self._n += 1
-        run_dir = Path(paths.run_dir) / f"p{self._n}"
-        run_dir.mkdir(parents=True)
-        self._own()
-        t = await LocalProcessTransport.start(launch.spec, launcher=("ca-launch",), run_dir=run_dir,
-                                              exec_prefix=("docker", "exec", "-i", "-u", "agent", self.container.id))
-        self.procs.append((t, run_dir))
-        transport = RecordingTransport(t, log) if log is not None else t
+        transport = await self.launch(launch.spec, paths, log, setup_workspace=self._git_init)
         return self.driver.session(transport, launch)
 
-    async def kill(self, session: CodexSession) -> None:
-        """SIGKILL the CLI's process group *inside* the container (host pids differ)."""
-        inner = session.transport.inner if isinstance(session.transport, RecordingTransport) else session.transport
-        run_dir = next(r for t, r in self.procs if t is inner)
-        pgid = (run_dir / "cli.pid").read_text().strip()
-        self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-        with anyio.move_on_after(10):
-            await inner.wait()
-        await inner.close()
-
-    async def shutdown(self) -> None:
-        for t, run_dir in self.procs:
-            if t.returncode is None:
-                try:
-                    pgid = (run_dir / "cli.pid").read_text().strip()
-                    self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-                except OSError:
-                    pass
-                await t.close()
-                with anyio.move_on_after(10):
-                    await t.wait()
-
-    def dialogue(self, index: int = -1) -> list[Message]:
-        reqs = self.fx.conversation_requests(api="responses")
-        return reqs[index].dialogue()
-
-    def last_user_text(self) -> str:
-        return [m for m in self.dialogue() if m.role == "user"][-1].text
+    def _git_init(self, ws: Path) -> None:
+        if not (ws / ".git").exists():
+            self.exec("git", "init", "-q", str(ws))  # a repo: the case where Codex writes trust entries
 
 
-@pytest.fixture(scope="module")
-def root():
-    path = Path(tempfile.mkdtemp(prefix="ca-codex-", dir="/var/tmp"))  # not /tmp: Codex warns there
-    path.chmod(0o755)  # uid 1000 in the container must traverse it
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def container(docker_client, sandbox_image, root):
-    c = docker_client.containers.run(sandbox_image, ["sleep", "infinity"], detach=True, init=True,
-                                     network_mode="host", user="agent",
-                                     volumes={str(root): {"bind": str(root), "mode": "rw"}},
-                                     labels={"cloud-agent.test": "codex-driver"})
-    yield c
-    c.remove(force=True)
-
-
-@pytest.fixture
-async def box(container, root, request):
-    with LoopbackFixture.start(port=0) as fx:
-        b = Box(container, root / request.node.name.replace("[", "_").replace("]", ""), fx)
-        b.root.mkdir(parents=True)
-        try:
-            yield b
-        finally:
-            with anyio.CancelScope(shield=True):
-                await b.shutdown()
-
-
-def ok(outcome: Any) -> Settlement:
-    assert isinstance(outcome, Settlement), outcome
-    assert not outcome.is_error, outcome
-    return outcome
+root, container, box = box_fixtures("codex", Box)
 
 
 # ---------------------------------------------------------------- NEW / LIVE / RESTORED
@@ -307,7 +215,7 @@ async def test_terminal_error_is_a_settled_failure_and_history_survives(box: Box
 
 
 async def _until_streaming(box: Box, s: CodexSession) -> None:
-    await anyio.to_thread.run_sync(lambda: box.fx.wait_for(lambda rs: any(r.action == "stall" for r in rs), 30))
+    await box.until_stalled()
     while s.active_turn is None:
         await anyio.sleep(0.02)
 

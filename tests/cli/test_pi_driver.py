@@ -9,21 +9,18 @@ recorded requests (Anthropic Messages: the driver's API shape).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 
 from deploy.loopback import LoopbackFixture, Message, default_reply, fail, reject, shell_call, stall
 from deploy.loopback.behaviour import TERMINAL_MESSAGE
 from drivers.models import (
     FailureReason,
-    GatewayConfig,
     HandshakeFailed,
     HandshakeReason,
     Locator,
@@ -37,7 +34,6 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.pi import PiDriver, PiSession, PiSettings
-from drivers.transport import LocalProcessTransport
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -46,41 +42,19 @@ MODEL = "fixture-model"
 SETTINGS = PiSettings(retry_max=2, retry_base_delay_ms=200, handshake_timeout_s=60, abort_grace_s=5)
 
 
-class Box:
-    """One container; members live under ``root`` (bind-mounted at the same path)."""
+class Box(DriverBox):
+    key = KEY
+    shared_workspace = True  # the chat's workspace, shared by its members
 
-    def __init__(self, container: Any, root: Path, fx: LoopbackFixture) -> None:
-        self.container, self.root, self.fx = container, root, fx
+    def __init__(self, container: Any, root: Path, fx: LoopbackFixture, name: str) -> None:
+        super().__init__(container, root, fx, name)
         self.driver = PiDriver(SETTINGS)
-        self.gateway = GatewayConfig(base_url=fx.base_url, key=KEY, model=MODEL)
-        self.workspace = str(root / "ws")  # the chat's workspace, shared by its members
-        self._n = 0
-        self.procs: list[tuple[LocalProcessTransport, Path]] = []
+        self.workspace = str(root / "ws")
         self.handshake_s: list[float] = []
-
-    def member(self, name: str) -> MemberPaths:
-        base = self.root / name
-        return MemberPaths(home=str(base / "home"), workspace=self.workspace, run_dir=str(base / "run"))
-
-    def _own(self) -> None:
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            for name in [*dirnames, *filenames]:
-                os.lchown(os.path.join(dirpath, name), 1000, 1000)
-        os.chown(self.root, 1000, 1000)
 
     async def start(self, paths: MemberPaths, resume: Locator | None = None, *, launch: Any = None) -> PiSession:
         launch = launch or self.driver.plan(paths, self.gateway, resume)
-        launch.spec.materialize_files_locally()
-        for d in launch.spec.dirs:
-            Path(d).mkdir(parents=True, exist_ok=True)
-        self._n += 1
-        run_dir = Path(paths.run_dir) / f"p{self._n}"
-        run_dir.mkdir(parents=True)
-        self._own()
-        t = await LocalProcessTransport.start(launch.spec, launcher=("ca-launch",), run_dir=run_dir,
-                                              exec_prefix=("docker", "exec", "-i", "-u", "agent", self.container.id))
-        self.procs.append((t, run_dir))
-        return self.driver.session(t, launch)
+        return self.driver.session(await self.launch(launch.spec, paths), launch)
 
     async def handshake(self, s: PiSession) -> None:
         t0 = time.monotonic()
@@ -92,72 +66,13 @@ class Box:
         await self.handshake(s)
         return s
 
-    async def kill(self, session: PiSession) -> None:
-        """SIGKILL the CLI's process group *inside* the container (host pids differ)."""
-        inner = session.transport
-        run_dir = next(r for t, r in self.procs if t is inner)
-        pgid = (run_dir / "cli.pid").read_text().strip()
-        self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-        assert isinstance(inner, LocalProcessTransport)
-        with anyio.move_on_after(10):
-            await inner.wait()
-        await inner.close()
-
     async def shutdown(self) -> None:
-        for t, run_dir in self.procs:
-            if t.returncode is None:
-                try:
-                    pgid = (run_dir / "cli.pid").read_text().strip()
-                    self.container.exec_run(["kill", "-KILL", "--", f"-{pgid}"], user="agent")
-                except OSError:
-                    pass
-                await t.close()
-                with anyio.move_on_after(10):
-                    await t.wait()
-
-    def dialogue(self, index: int = -1) -> list[Message]:
-        return self.fx.conversation_requests()[index].dialogue()
-
-    def last_user_text(self) -> str:
-        return [m for m in self.dialogue() if m.role == "user"][-1].text
+        await super().shutdown()
+        if self.handshake_s:
+            print(f"\n[pi] get_state handshake: {', '.join(f'{x:.2f}s' for x in self.handshake_s)}")
 
 
-@pytest.fixture(scope="module")
-def root():
-    path = Path(tempfile.mkdtemp(prefix="ca-pi-", dir="/var/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def container(docker_client, sandbox_image, root):
-    c = docker_client.containers.run(sandbox_image, ["sleep", "infinity"], detach=True, init=True,
-                                     network_mode="host", user="agent",
-                                     volumes={str(root): {"bind": str(root), "mode": "rw"}},
-                                     labels={"cloud-agent.test": "pi-driver"})
-    yield c
-    c.remove(force=True)
-
-
-@pytest.fixture
-async def box(container, root, request):
-    with LoopbackFixture.start(port=0) as fx:
-        b = Box(container, root / request.node.name.replace("[", "_").replace("]", ""), fx)
-        b.root.mkdir(parents=True)
-        try:
-            yield b
-        finally:
-            with anyio.CancelScope(shield=True):
-                await b.shutdown()
-            if b.handshake_s:
-                print(f"\n[pi] get_state handshake: {', '.join(f'{x:.2f}s' for x in b.handshake_s)}")
-
-
-def ok(outcome: Any) -> Settlement:
-    assert isinstance(outcome, Settlement), outcome
-    assert not outcome.is_error, outcome
-    return outcome
+root, container, box = box_fixtures("pi", Box)
 
 
 def header(locator: Locator) -> dict[str, Any]:
@@ -204,7 +119,7 @@ async def test_first_turn_killed_leaves_nothing_to_restore(box: Box) -> None:
         async def turn() -> None:
             result.append(await s.run_turn("STALL then die", timeout_s=60))
         tg.start_soon(turn)
-        await anyio.to_thread.run_sync(lambda: box.fx.wait_for(lambda rs: any(r.action == "stall" for r in rs), 30))
+        await box.until_stalled()
         await box.kill(s)
     assert isinstance(result[0], NotSettled) and result[0].reason is NotSettledReason.TRANSPORT_CLOSED
     assert s.reported is not None and not Path(s.reported.path).exists()  # lazy write: never flushed
@@ -299,7 +214,7 @@ async def test_context_window_refusal_is_context_too_long(box: Box) -> None:
 
 
 async def _until_stalled(box: Box) -> None:
-    await anyio.to_thread.run_sync(lambda: box.fx.wait_for(lambda rs: any(r.action == "stall" for r in rs), 30))
+    await box.until_stalled()
     await anyio.sleep(0.2)  # pi has read the first event of the stalled stream
 
 

@@ -73,6 +73,21 @@ def parse_json_line(line: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
+# Typed reads of parsed protocol values: a field of the wrong type reads as absent.
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def as_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 class NativeSession(ABC):
     """One CLI process serving one member."""
 

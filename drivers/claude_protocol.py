@@ -24,6 +24,7 @@ import re
 import uuid as uuidlib
 from typing import Any
 
+from drivers.base import as_str
 from drivers.models import (
     DriverEvent,
     ErrorNotice,
@@ -128,10 +129,6 @@ def control_error_reply(request_id: str, message: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- event helpers
 
 
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -173,9 +170,9 @@ def result_errors(obj: dict[str, Any]) -> str:
 
 def failure_reason(result: dict[str, Any]) -> FailureReason:
     """Why an ``is_error`` result failed, from the CLI's own fields (never ``subtype`` alone)."""
-    terminal = _str(result.get("terminal_reason")) or ""
+    terminal = as_str(result.get("terminal_reason")) or ""
     status = _int(result.get("api_error_status"))
-    text = _str(result.get("result")) or ""
+    text = as_str(result.get("result")) or ""
     errors = result_errors(result)
     if terminal == "prompt_too_long" or (status == 400 and _CONTEXT_WORDING.search(text)):
         return FailureReason.CONTEXT_TOO_LONG
@@ -218,7 +215,7 @@ def normalize(obj: dict[str, Any]) -> list[DriverEvent]:
             if btype == "text" and isinstance(block.get("text"), str) and root:
                 out.append(TextDelta(text=block["text"], raw=obj))
             elif btype == "tool_use":
-                call_id, name = _str(block.get("id")) or "", _str(block.get("name")) or ""
+                call_id, name = as_str(block.get("id")) or "", as_str(block.get("name")) or ""
                 if root:
                     out.append(ToolStarted(call_id=call_id, tool=name, input=block.get("input"), raw=obj))
                 else:
@@ -226,7 +223,7 @@ def normalize(obj: dict[str, Any]) -> list[DriverEvent]:
     elif kind == "user" and isinstance(content, list):
         for block in content:
             if isinstance(block, dict) and block.get("type") == "tool_result":
-                call_id = _str(block.get("tool_use_id")) or ""
+                call_id = as_str(block.get("tool_use_id")) or ""
                 if root:
                     out.append(ToolFinished(call_id=call_id, is_error=block.get("is_error") is True,
                                             output=_tool_output(block.get("content")), raw=obj))
@@ -235,14 +232,14 @@ def normalize(obj: dict[str, Any]) -> list[DriverEvent]:
     elif kind == "system":
         sub = obj.get("subtype")
         if sub == "api_retry":
-            detail = _str(obj.get("error"))
+            detail = as_str(obj.get("error"))
             out.append(RetryNotice(attempt=_int(obj.get("attempt")), status=_int(obj.get("error_status")),
                                    detail=detail, raw=obj))
         elif sub in ("status", "compact_boundary", "task_started", "task_notification", "permission_denied"):
-            detail = _str(obj.get("status")) or _str(obj.get("description")) or _str(obj.get("tool_name"))
+            detail = as_str(obj.get("status")) or as_str(obj.get("description")) or as_str(obj.get("tool_name"))
             out.append(Notice(name=f"claude.{sub}", detail=detail, raw=obj))
     elif kind == "result" and root and obj.get("is_error") is True and "origin" not in obj:
-        msg = _str(obj.get("result")) or result_errors(obj) or _str(obj.get("terminal_reason")) or "error"
+        msg = as_str(obj.get("result")) or result_errors(obj) or as_str(obj.get("terminal_reason")) or "error"
         out.append(ErrorNotice(message=msg, raw=obj))
     return out
 
@@ -305,7 +302,7 @@ class TurnTracker:
         sub = obj.get("subtype")
         if sub == "init" and is_root(obj):
             self.init_seen = True
-            version = _str(obj.get("claude_code_version"))
+            version = as_str(obj.get("claude_code_version"))
             if version:
                 self.cli_version = version
         elif sub == "api_retry":
@@ -322,11 +319,11 @@ class TurnTracker:
                     # only an idle with nothing outstanding counts.
                     self.early_idles += 1
         elif sub == "task_started":
-            task = _str(obj.get("task_id"))
+            task = as_str(obj.get("task_id"))
             if task:
                 self.started_tasks.add(task)
         elif sub == "task_notification":
-            task = _str(obj.get("task_id"))
+            task = as_str(obj.get("task_id"))
             if task:
                 self.finished_tasks.add(task)
         elif sub == "background_tasks_changed":
@@ -373,7 +370,7 @@ class TurnTracker:
         reason = failure_reason(result) if is_error else None
         detail = None
         if is_error:
-            detail = _str(result.get("result")) or result_errors(result) or _str(result.get("terminal_reason"))
+            detail = as_str(result.get("result")) or result_errors(result) or as_str(result.get("terminal_reason"))
         return Settlement(evidence=EVIDENCE, is_error=is_error, reason=reason, detail=detail,
                           observed_locator=self.observed_locator(), assistant_text=self.assistant_text(),
                           retire_after=self.retried, raw=[result])

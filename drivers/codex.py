@@ -17,13 +17,12 @@ from typing import Any
 
 import anyio
 
-from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, discard
+from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, as_dict, discard
 from drivers.codex_config import KEY_ENV, CodexSettings, codex_home, config_file
 from drivers.codex_protocol import (
     Kind,
     TurnTracker,
     answer_server_request,
-    as_dict,
     kind_of,
     resume_failure,
     rpc_error_message,

@@ -16,6 +16,7 @@ import re
 from enum import StrEnum
 from typing import Any
 
+from drivers.base import as_dict, as_str
 from drivers.models import (
     DriverEvent,
     ErrorNotice,
@@ -48,14 +49,6 @@ def kind_of(msg: dict[str, Any]) -> Kind:
     if "id" in msg and ("result" in msg or "error" in msg):
         return Kind.RESPONSE
     return Kind.OTHER
-
-
-def as_dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def as_str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def rpc_error_message(msg: dict[str, Any]) -> str | None:

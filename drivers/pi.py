@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, discard
+from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, as_dict, as_list, discard
 from drivers.launch import HeaderCheck, LaunchSpec
 from drivers.models import (
     GatewayConfig,
@@ -46,7 +46,7 @@ from drivers.pi_config import (
     new_session_path,
     sessions_dir,
 )
-from drivers.pi_protocol import PiTurn, as_dict, as_list, as_str, state_locator
+from drivers.pi_protocol import PiTurn, state_locator
 from drivers.transport import Transport, TransportClosed
 
 __all__ = ["ForkFailed", "PiDriver", "PiSession", "PiSettings"]

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from drivers.base import as_dict, as_list, as_str
 from drivers.models import (
     DriverEvent,
     ErrorNotice,
@@ -39,18 +40,6 @@ TEXT_JOINER = "\n\n"
 # pi's own wording when the models.json apiKey command yields nothing (our `!printenv` guard)
 _KEY_MISSING = re.compile(r"Failed to resolve API key|No API key found", re.IGNORECASE)
 _STATUS = re.compile(r"^\s*(\d{3})\b")
-
-
-def as_dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def as_list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
-def as_str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def message_text(message: dict[str, Any]) -> str:

@@ -84,9 +84,14 @@ async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None) 
 
 @dataclass
 class DaemonProcess:
+    """``python -m runner.cli serve`` as a subprocess; its stdout and stderr go to ``log_path``."""
+
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -103,6 +108,31 @@ class DaemonProcess:
 
 
 @contextmanager
+def serve_process(env: dict[str, str], port: int, log_path: Path, *,
+                  cwd: Path | None = None) -> Iterator[DaemonProcess]:
+    """Run the daemon with exactly ``env`` on ``port``; yield once /healthz answers (60 s at
+    most), terminate it at the end."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
+                                cwd=cwd, start_new_session=True)
+    dp = DaemonProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                if httpx.get(f"{dp.url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"daemon did not start: {dp.log()[-2000:]}")
+            time.sleep(0.1)
+        yield dp
+    finally:
+        dp.terminate()
+
+
+@contextmanager
 def daemon_process(home: Path, gateway_url: str, image: str, *, port: int | None = None) -> Iterator[DaemonProcess]:
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
@@ -110,23 +140,5 @@ def daemon_process(home: Path, gateway_url: str, image: str, *, port: int | None
     env = dict(os.environ, CLOUD_AGENT_HOME=str(home), CLOUD_AGENT_GATEWAY_URL=gateway_url, CLOUD_AGENT_IMAGE=image,
                CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"), CLOUD_AGENT_SANDBOX_NETWORK="host",
                CLOUD_AGENT_HOST_ID=f"test-{home.name}", CLOUD_AGENT_LISTEN_PORT=str(port))
-    log_path = home / f"daemon-{port}.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    dp = DaemonProcess(proc, url, log_path)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"daemon did not start: {log_path.read_text()[-2000:]}")
-        time.sleep(0.1)
-    try:
+    with serve_process(env, port, home / f"daemon-{port}.log") as dp:
         yield dp
-    finally:
-        dp.terminate()

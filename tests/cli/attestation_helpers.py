@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 
-from tests.daemon_harness import free_port
+from tests.daemon_harness import DaemonProcess, free_port, serve_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,52 +54,16 @@ async def wait_ready(client: httpx.AsyncClient, *, want: int = 200, timeout_s: f
             await anyio.sleep(0.1)
 
 
-@dataclass
-class Spawned:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @contextmanager
-def spawn_daemon(home: Path, env: dict[str, str]) -> Iterator[Spawned]:
+def spawn_daemon(home: Path, env: dict[str, str]) -> Iterator[DaemonProcess]:
     """`python -m runner.cli serve` with exactly ``env`` on top of this process's environment
     (minus any CLOUD_AGENT_* the test did not set); its stdout and stderr go to one log file."""
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("CLOUD_AGENT_")}
     full = base | {"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_LISTEN_PORT": str(port)} | env
-    log_path = home / f"daemon-{port}.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "serve"], env=full, stdout=log, stderr=log,
-                                cwd=REPO, start_new_session=True)
-    spawned = Spawned(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            try:
-                if httpx.get(f"{spawned.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daemon did not start: {spawned.log()[-2000:]}")
-            time.sleep(0.1)
+    with serve_process(full, port, home / f"daemon-{port}.log", cwd=REPO) as spawned:
         yield spawned
-    finally:
-        spawned.stop()
 
 
 def probe_containers(docker_client: Any, host_id: str) -> list[Any]:

@@ -43,7 +43,8 @@ def _remove_this_modules_sandboxes():
     """Retained sandboxes outlive their daemon by design; tests must not leave theirs behind.
 
     Module scope, autouse: torn down after the module's own (module-scoped) daemons, so a
-    daemon restart inside a module still finds its sandboxes.
+    daemon restart inside a module still finds its sandboxes. Only sandboxes of daemons this
+    test process started (their host ids) are removed: the engine may be shared.
     """
     from datetime import UTC, datetime
 
@@ -56,11 +57,13 @@ def _remove_this_modules_sandboxes():
         return
     import docker
 
+    from tests.daemon_harness import TEST_HOST_IDS
+
     client = docker.DockerClient(base_url=f"unix://{cfg.socket_path}")
     try:
         for c in client.containers.list(all=True, filters={"label": "org.cloud-agent.sandbox=1"}):
             created = datetime.fromisoformat(c.attrs["Created"][:26].rstrip("Z") + "+00:00")
-            if created >= started:
+            if created >= started and c.labels.get("org.cloud-agent.host-id") in TEST_HOST_IDS:
                 try:
                     c.remove(force=True)
                 except docker.errors.APIError:

@@ -3,6 +3,7 @@ a subprocess (`cloud-agent serve`, for kill -9 and restart tests)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -33,14 +34,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Host ids of the daemons this test process started: the module teardown in conftest.py
+# removes their sandboxes (and never another process's, on a shared engine).
+TEST_HOST_IDS: set[str] = set()
+
+
+def test_host_id(home: Path) -> str:
+    """Stable per state dir (a restarted daemon on the same home is the same host)."""
+    return "test-" + hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12]
+
+
 def daemon_settings(home: Path, gateway_url: str, image: str, **overrides: Any) -> Settings:
     token_file = home / "token"
     home.mkdir(parents=True, exist_ok=True)
     token_file.write_text(TOKEN + "\n")
     env = {"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_GATEWAY_URL": gateway_url, "CLOUD_AGENT_IMAGE": image,
            "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(token_file), "CLOUD_AGENT_SANDBOX_NETWORK": "host",
-           "CLOUD_AGENT_HOST_ID": f"test-{home.name}"}
-    return load_settings(env, **overrides)
+           "CLOUD_AGENT_HOST_ID": test_host_id(home)}
+    settings = load_settings(env, **overrides)
+    TEST_HOST_IDS.add(settings.resolved_host_id())
+    return settings
 
 
 @dataclass
@@ -112,6 +125,8 @@ def serve_process(env: dict[str, str], port: int, log_path: Path, *,
                   cwd: Path | None = None) -> Iterator[DaemonProcess]:
     """Run the daemon with exactly ``env`` on ``port``; yield once /healthz answers (60 s at
     most), terminate it at the end."""
+    if env.get("CLOUD_AGENT_HOST_ID"):
+        TEST_HOST_IDS.add(env["CLOUD_AGENT_HOST_ID"])
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
                                 cwd=cwd, start_new_session=True)
@@ -139,6 +154,6 @@ def daemon_process(home: Path, gateway_url: str, image: str, *, port: int | None
     (home / "token").write_text(TOKEN + "\n")
     env = dict(os.environ, CLOUD_AGENT_HOME=str(home), CLOUD_AGENT_GATEWAY_URL=gateway_url, CLOUD_AGENT_IMAGE=image,
                CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"), CLOUD_AGENT_SANDBOX_NETWORK="host",
-               CLOUD_AGENT_HOST_ID=f"test-{home.name}", CLOUD_AGENT_LISTEN_PORT=str(port))
+               CLOUD_AGENT_HOST_ID=test_host_id(home), CLOUD_AGENT_LISTEN_PORT=str(port))
     with serve_process(env, port, home / f"daemon-{port}.log") as dp:
         yield dp

@@ -1,0 +1,256 @@
+"""LOST regressions (SPEC 3, 4.3, 7): when the native state or the sandbox's integrity cannot
+be established, the turn is refused as LOST — nothing reaches any CLI or the model — and a
+LOST member stays LOST.
+
+Every case runs for every runtime: one member with a settled turn (its own chat), then the
+damage, then a refused job with the exact reason and zero fixture requests, then a second
+job refused as ``previously_lost``.
+
+=====================  ============================================  ========================
+case                   damage                                        reason
+=====================  ============================================  ========================
+container removed      ``docker rm -f`` of the chat's container      ``container_missing``
+data root changed      the data-root marker volume carries another   ``data_root_changed``
+                       id (restored in ``finally``)
+labels tampered        the recorded container is one whose identity  ``labels_mismatch``
+                       labels name another chat
+locator missing        the store keeps the settled turns, loses the  ``member_locator_missing``
+                       locator (``Store.erase_locator_for_test``)
+native state deleted   the CLI's own session state, deleted as       ``native_state_missing``
+                       ``agent`` after the resident was retired
+=====================  ============================================  ========================
+
+The data-root case swaps the engine-wide marker volume ``cloud-agent-dataroot-identity``:
+every other sandbox on this engine depends on it, so it must never run concurrently with
+other tests; the swap lasts only as long as the refusals take, and the original id is put
+back in a ``finally`` (a bystander chat proves the restore: it works again afterwards).
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any
+
+import docker.errors
+import pytest
+
+from drivers.bridge import native_db
+from drivers.claude import ClaudeDriver
+from drivers.codex import CodexDriver
+from drivers.models import Locator
+from runner.processes import member_paths
+from sandbox_manager.engine import DATA_ROOT_LABEL, DATA_ROOT_VOLUME
+from sandbox_manager.records import MemberRecord
+from sandbox_manager.sandboxes import LABEL_CHAT, SandboxManager, digest
+from tests.regression.conftest import regression_daemon
+from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
+
+pytestmark = [pytest.mark.regression, pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
+
+RUNTIMES = available_runtimes()
+
+
+@pytest.fixture(scope="module")
+async def daemon(fx, sandbox_image, docker_client, tmp_path_factory):
+    # No periodic reverse probe: it would (re)create the data-root marker during the swap.
+    async with regression_daemon(fx, sandbox_image, docker_client, tmp_path_factory.mktemp("lost"),
+                                 probe_interval_s=3600) as d:
+        yield d
+
+
+# ---------------------------------------------------------------- helpers
+
+
+async def settled_chat(d, fx, runtime: str) -> tuple[Chat, dict[str, Any]]:
+    """A new chat whose member has one settled turn (the model saw exactly that turn)."""
+    chat = Chat(runtime)
+    message = f"settle one turn of {runtime} before the damage"
+    reply = chat.expect_turn(message)
+    mark = high_water(fx)
+    receipt, events, _ = await d.run(chat.job(message))
+    assert receipt is not None, events
+    assert (receipt["context_status"], receipt["outcome"], receipt["assistant_text"]) == \
+        ("NEW", "succeeded", reply), (receipt["reason"], receipt["settlement"])
+    assert receipt["locator_after"]
+    assert_model_saw(fx, mark, chat)
+    return chat, receipt
+
+
+async def refused(d, fx, chat: Chat) -> tuple[str, str, str | None, int, str | None, str | None]:
+    """Run one job; (status, outcome, reason, fixture requests it caused, locator before/after)."""
+    mark = high_water(fx)
+    receipt, events, resp = await d.run(chat.job("this must never reach a model"))
+    assert resp.status_code == 200 and receipt is not None, events
+    return (receipt["context_status"], receipt["outcome"], receipt["reason"], len(fx.requests(since=mark)),
+            receipt["locator_before"], receipt["locator_after"])
+
+
+def lost(reason: str, locator: str | None) -> tuple[str, str, str, int, str | None, str | None]:
+    """What a LOST refusal must look like: zero fixture requests, the locator untouched."""
+    return ("LOST", "refused", reason, 0, locator, locator)
+
+
+async def member(d, chat: Chat) -> MemberRecord:
+    m = await d.daemon.supervisor.store.get_member(chat.user_id, chat.chat_id, chat.member_id)
+    assert m is not None
+    return m
+
+
+async def retire(d, chat: Chat) -> None:
+    resp = await d.client.post(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}/members/{chat.member_id}/retire")
+    assert resp.json() == {"retired": True}
+
+
+def agent_sh(docker_client, container_id: str, script: str) -> tuple[int, str]:
+    code, out = docker_client.containers.get(container_id).exec_run(["sh", "-c", script], user="agent")
+    return code, out.decode(errors="replace")
+
+
+def native_state_paths(runtime: str, m: MemberRecord) -> str:
+    """Shell words naming the member's native session state, exactly where its driver keeps it."""
+    assert m.locator is not None
+    paths = member_paths(SandboxManager.member_dirs(m.home_member_id))
+    loc = Locator(id=m.locator.id, path=m.locator.path)
+    if runtime == "claude":
+        return shlex.quote(ClaudeDriver().transcript(paths, loc))  # <CLAUDE_CONFIG_DIR>/projects/<cwd>/<id>.jsonl
+    if runtime == "codex":
+        return CodexDriver.rollout_glob(paths, loc)  # CODEX_HOME/sessions/Y/M/D/rollout-*-<id>.jsonl (a glob)
+    if runtime == "pi":
+        assert loc.path
+        return shlex.quote(loc.path)  # the session file the locator names
+    db = native_db(runtime, paths.home)  # XDG_DATA_HOME/<cli>/<cli>.db (+ WAL files)
+    return " ".join(shlex.quote(p) for p in (db, f"{db}-wal", f"{db}-shm"))
+
+
+# ---------------------------------------------------------------- sandbox-level cases
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_container_removed(runtime, daemon, fx, docker_client) -> None:
+    chat, first = await settled_chat(daemon, fx, runtime)
+    saved = first["locator_after"]
+    docker_client.api.remove_container(first["sandbox"]["container_id"], force=True)
+    assert await refused(daemon, fx, chat) == lost("container_missing", saved)
+    assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
+    m = await member(daemon, chat)
+    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 1, "container_missing")
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_identity_labels_tampered(runtime, daemon, fx, docker_client) -> None:
+    chat, first = await settled_chat(daemon, fx, runtime)
+    saved = first["locator_after"]
+    original = docker_client.containers.get(first["sandbox"]["container_id"])
+    name, image, labels = original.name, original.image.id, dict(original.labels)
+    # The recorded container now carries identity labels naming another chat (everything else
+    # — name, image, host, data root — as before): Docker labels are immutable, so the record
+    # is pointed at a container created with the tampered set.
+    labels[LABEL_CHAT] = digest("chat", "some-other-chat")[:32]
+    original.remove(force=True)
+    forged = docker_client.containers.create(image, command=["sleep", "infinity"], name=name, labels=labels,
+                                             init=True, network_mode="none")
+    store = daemon.daemon.supervisor.store
+    rec = await store.get_sandbox(chat.user_id, chat.chat_id)
+    await store.put_sandbox(rec.model_copy(update={"container_id": forged.id}))
+    assert await refused(daemon, fx, chat) == lost("labels_mismatch", saved)
+    assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
+    forged.reload()
+    assert forged.status == "created", "a LOST sandbox is never started"
+
+
+async def test_data_root_changed(daemon, fx, docker_client) -> None:
+    chats = [await settled_chat(daemon, fx, runtime) for runtime in RUNTIMES]
+    bystander, _ = await settled_chat(daemon, fx, "codex")  # untouched while the id is swapped
+    original = data_root_id(docker_client)
+    assert original == (await daemon.daemon.supervisor.store.get_sandbox(chats[0][0].user_id,
+                                                                          chats[0][0].chat_id)).data_root_id
+    for chat, _ in chats:
+        await retire(daemon, chat)  # keeps the swap short: a refusal retires the chat's residents
+    got: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        set_data_root_id(docker_client, f"another-data-root-{original[:8]}")
+        for chat, _ in chats:
+            got[chat.runtime] = await refused(daemon, fx, chat)
+    finally:
+        set_data_root_id(docker_client, original)
+        print(f"data-root identity swapped for {time.monotonic() - t0:.3f}s")
+    assert data_root_id(docker_client) == original
+    assert got == {chat.runtime: lost("data_root_changed", first["locator_after"]) for chat, first in chats}
+    # LOST stays LOST, even with the original data root back
+    for chat, first in chats:
+        assert await refused(daemon, fx, chat) == lost("previously_lost", first["locator_after"])
+    # the restored id is the one every other sandbox was created in: the bystander just goes on
+    bystander.expect_turn("after the data root came back")
+    mark = high_water(fx)
+    receipt, _, _ = await daemon.run(bystander.job("after the data root came back"))
+    assert (receipt["context_status"], receipt["outcome"]) == ("LIVE", "succeeded")
+    assert_model_saw(fx, mark, bystander)
+
+
+def data_root_id(docker_client) -> str | None:
+    try:
+        vol = docker_client.volumes.get(DATA_ROOT_VOLUME)
+    except docker.errors.NotFound:
+        return None
+    return (vol.attrs.get("Labels") or {}).get(DATA_ROOT_LABEL)
+
+
+def set_data_root_id(docker_client, ident: str) -> None:
+    """Replace the marker volume by one labelled ``ident`` (labels are immutable).
+
+    ``volume create`` of an existing name returns the existing volume unchanged, so a daemon
+    that re-created the marker in between would win silently: read back and retry.
+    """
+    for _ in range(20):
+        try:
+            docker_client.volumes.get(DATA_ROOT_VOLUME).remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        try:
+            docker_client.volumes.create(name=DATA_ROOT_VOLUME, labels={DATA_ROOT_LABEL: ident})
+        except docker.errors.APIError:
+            pass
+        if data_root_id(docker_client) == ident:
+            return
+    raise AssertionError(f"could not set the data-root identity to {ident}")
+
+
+# ---------------------------------------------------------------- member-level cases
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_member_locator_missing(runtime, daemon, fx) -> None:
+    chat, _ = await settled_chat(daemon, fx, runtime)
+    await daemon.daemon.supervisor.store.erase_locator_for_test(chat.user_id, chat.chat_id, chat.member_id)
+    await retire(daemon, chat)
+    assert await refused(daemon, fx, chat) == lost("member_locator_missing", None)
+    assert await refused(daemon, fx, chat) == lost("previously_lost", None)
+    m = await member(daemon, chat)
+    assert (m.locator, m.settled_turns, m.lost_reason) == (None, 1, "member_locator_missing")
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_native_state_deleted(runtime, daemon, fx, docker_client) -> None:
+    chat, first = await settled_chat(daemon, fx, runtime)
+    saved, container = first["locator_after"], first["sandbox"]["container_id"]
+    await retire(daemon, chat)  # the next turn must start a process and restore
+    words = native_state_paths(runtime, await member(daemon, chat))
+    _, listed = agent_sh(docker_client, container, f"ls -1d {words} 2>/dev/null; true")
+    found = listed.split()
+    if runtime in ("opencode", "kilo"):
+        assert found[0] == shlex.split(words)[0], found  # the database (its WAL files may be there too)
+    elif runtime == "pi":
+        assert found == [(await member(daemon, chat)).locator.path], found
+    else:
+        assert len(found) == 1 and found[0].endswith(f"{saved}.jsonl"), found
+    code, out = agent_sh(docker_client, container, f"rm -f -- {words} && ! ls {words} 2>/dev/null")
+    assert code == 0, out
+    assert await refused(daemon, fx, chat) == lost("native_state_missing", saved)
+    assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
+    m = await member(daemon, chat)
+    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 1, "native_state_missing")
+    # member-level: the sandbox itself is fine (another member of the chat could still run)
+    status = (await daemon.client.get(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}")).json()
+    assert (status["sandbox"]["state"], status["members"][0]["resident"]) == ("running", False)

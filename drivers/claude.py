@@ -245,8 +245,10 @@ class ClaudeSession(NativeSession):
             except LaunchError as exc:
                 raise self.launch_failed(exc) from None
             if obj is None:
-                raise HandshakeFailed(missing, f"stream ended before the initialize response: "
-                                               f"{self.transport.diagnostics()[-500:]}")
+                # A bare EOF is no evidence about the native state (the process or container
+                # may have been killed); only the precheck or the CLI's own error says "missing".
+                raise HandshakeFailed(HandshakeReason.PROCESS_FAILED, f"stream ended before the initialize "
+                                      f"response: {self.transport.diagnostics()[-500:]}")
             resp = control_response_for(obj, request_id)
             if resp is not None:
                 if resp.get("subtype") != "success":

@@ -77,8 +77,11 @@ class Forker:
         parent = to_locator(source.locator)
         assert parent is not None
         if runtime == "claude":
+            # settled_turns counts the native turns the fork inherits, as for the eager forks;
+            # the locator stays None until Claude writes the fork at its first turn.
             created = await self.store.create_fork_member(
-                source, req.new_member_id, home_member_id=source.home_member_id, locator=None, settled_turns=0,
+                source, req.new_member_id, home_member_id=source.home_member_id, locator=None,
+                settled_turns=req.at_turn or source.settled_turns,
                 pending=PendingFork(parent=to_saved(parent), at_turn=req.at_turn))
             locator: Locator | None = None
         else:

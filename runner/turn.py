@@ -175,8 +175,8 @@ class TurnRunner:
             raise Refusal("locator_mismatch", sticky=False)
         if member is not None and member.lost_reason is not None:
             raise Refusal("previously_lost")  # a LOST member stays LOST
-        # Identity rule 3: settled turns but no resume locator.
-        if member is not None and member.settled_turns > 0 and saved is None:
+        # Identity rule 3: settled turns but no resume locator (an unstarted lazy fork has none yet).
+        if member is not None and member.settled_turns > 0 and saved is None and member.pending_fork is None:
             raise Refusal("member_locator_missing")
         t = time.monotonic()
         try:
@@ -204,7 +204,10 @@ class TurnRunner:
             return resident.session
         if resident is not None:
             await self.pool.retire(key, "stale before turn")
-        ctx.status = ContextStatus.NEW if member.settled_turns == 0 else ContextStatus.RESTORED
+        # NEW: no native turn of this member's own session has settled (a lazy fork's session
+        # comes into being at this turn, whatever history it inherits).
+        new = member.settled_turns == 0 or member.pending_fork is not None
+        ctx.status = ContextStatus.NEW if new else ContextStatus.RESTORED
         resume = to_locator(saved) if ctx.status == ContextStatus.RESTORED else None
         session = await self._launch(ctx, key, resume)
         ctx.timings.process = ctx.ms_since(t)

@@ -62,8 +62,8 @@ async def regression_daemon(fx: LoopbackFixture, image: str, docker_client: Any,
                             hooks: TestHooks | None = None, **overrides: Any) -> AsyncIterator[RunningDaemon]:
     """A real daemon on ``fx`` with its own home under ``base``; its containers removed after."""
     home = base / f"home-{uuid.uuid4().hex[:10]}"
-    host_id = f"test-{home.name}"
     settings = daemon_settings(home, fx.base_url, image, **overrides)
+    host_id = settings.resolved_host_id()
     try:
         async with running_daemon(settings, hooks=hooks) as d:
             yield d

@@ -472,8 +472,8 @@ async def test_fork_at_historical_turn(runtime: str, daemon: RunningDaemon, fx) 
     await fork.turn("In the fork again: and now?", "LIVE")
     after = await parent.turn("In the parent: and now?", parent_status)
     assert after.receipt["locator_after"] == third.receipt["locator_after"]
-    # settled_turns of the fork: the eager forks start at at_turn (2) and count their own
-    # turns on top; Claude's lazy fork starts at 0 (its first turn is NEW).
+    # settled_turns of the fork: every fork starts at the native turns it inherits (at_turn 2)
+    # and counts its own on top (Claude's lazy fork too, though its first turn is NEW).
     members = {x["member_id"]: x for x in (await parent.status())["members"]}
     assert (members["m1"]["settled_turns"], members["m2"]["settled_turns"], members["m2"]["forked_from"]) == (
-        4, 2 if lazy else 4, "m1"), members
+        4, 4, "m1"), members

@@ -439,9 +439,11 @@ async def test_new_process_error_result_is_process_failed() -> None:
     assert exc.value.reason is HandshakeReason.PROCESS_FAILED
 
 
-@pytest.mark.parametrize(("resume", "reason"), [(True, HandshakeReason.NATIVE_STATE_MISSING),
+@pytest.mark.parametrize(("resume", "reason"), [(True, HandshakeReason.PROCESS_FAILED),
                                                 (False, HandshakeReason.PROCESS_FAILED)])
 async def test_eof_before_initialize_response(resume: bool, reason: HandshakeReason) -> None:
+    # A bare EOF says nothing about the native state (a killed process or container): it must
+    # never condemn an intact member as LOST; only the precheck or the CLI's own error does.
     s, _ = make_session([("send", {"type": "control_request"})], OTHER, resume=resume)
     with pytest.raises(HandshakeFailed) as exc:
         await s.handshake()

@@ -70,3 +70,31 @@ def _remove_this_modules_sandboxes():
                     pass
     finally:
         client.close()
+
+
+# -- suite durations (CI prints how long each suite took) ------------------------------------
+
+_SUITE_SECONDS: dict[str, float] = {}
+_SUITE_COUNTS: dict[str, int] = {}
+
+
+def _suite_of(nodeid: str) -> str:
+    parts = nodeid.split("::", 1)[0].split("/")
+    if len(parts) >= 3 and parts[1] == "regression":
+        return "regression/" + parts[2].removesuffix(".py")  # history, identity, lost: one suite each
+    return parts[1] if len(parts) >= 3 else parts[0]
+
+
+def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest hook
+    suite = _suite_of(report.nodeid)
+    _SUITE_SECONDS[suite] = _SUITE_SECONDS.get(suite, 0.0) + report.duration
+    if report.when == "call":
+        _SUITE_COUNTS[suite] = _SUITE_COUNTS.get(suite, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest hook
+    if not _SUITE_SECONDS:
+        return
+    terminalreporter.section("suite durations")
+    for suite, seconds in sorted(_SUITE_SECONDS.items()):
+        terminalreporter.write_line(f"{suite:<24} {seconds:8.1f} s  ({_SUITE_COUNTS.get(suite, 0)} tests)")

@@ -244,13 +244,13 @@ async def test_idle_processes_retired_and_idle_sandbox_stopped(fx, tmp_path, san
         receipt, _, _ = await d.run(chat.job("then go idle"))
         container = docker_client.containers.get(receipt["sandbox"]["container_id"])
         with anyio.fail_after(30):
-            while True:
-                container.reload()
-                if container.status == "exited":
+            while True:  # the idle loop stops the container, then records it: wait for both
+                status = (await d.client.get(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}")).json()
+                if status["sandbox"]["state"] == "stopped":
                     break
                 await anyio.sleep(0.25)
-        status = (await d.client.get(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}")).json()
-        assert status["sandbox"]["state"] == "stopped"
+        container.reload()
+        assert container.status == "exited"
         assert status["members"][0]["resident"] is False
         chat.expect_turn("back again")
         mark = high_water(fx)

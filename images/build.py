@@ -213,6 +213,10 @@ def build_runtime(p: BuildPlan) -> Path:
         return runtime
     shutil.rmtree(ctx / "runtime", ignore_errors=True)
     runtime.mkdir(parents=True)
+    if not shutil.which("npm"):
+        # Any host npm can fetch the pinned Node package; the CLIs are then installed by it.
+        _run_logged("apt-get update", ["apt-get", "update", "-q"])
+        _run_logged("install npm", ["apt-get", "install", "-y", "-q", "--no-install-recommends", "npm"])
     n = p.pins.node
     _run_logged("runtime", _npm(p) + ["install", "-g", "--prefix", str(runtime),
                                        f"{n.package}@{n.version}", f"npm@{n.npm}"])

@@ -25,7 +25,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from images.build import carries_bridge, image_tag
 from images.pins import load_pins
 from runner.config import Settings
-from runner.forks import Forker, ForkError
+from runner.forks import Forker
 from runner.jobs import ForkRequest, Job
 from runner.metrics import Metrics
 from runner.receipts import Outcome, Receipt

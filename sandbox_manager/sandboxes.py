@@ -11,8 +11,7 @@ hidden by quietly creating a fresh container.
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 import structlog
@@ -119,7 +118,6 @@ class MemberProcess:
     container_id: str
     stream: ExecStream
     pidfile: str
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 class SandboxManager:
@@ -323,6 +321,3 @@ class SandboxManager:
                 rows.append(dict(zip(("pid", "pgid", "stat", "comm"), parts, strict=True)))
         return rows
 
-
-def labels_json(labels: dict[str, str]) -> str:
-    return json.dumps(labels, sort_keys=True)

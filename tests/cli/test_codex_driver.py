@@ -22,7 +22,7 @@ import pytest
 from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 
 from deploy.loopback import LoopbackFixture, Message, cut, default_reply, fail, reject, shell_call, stall
-from deploy.loopback.behaviour import OPENAI_CONTEXT_MESSAGE, TERMINAL_MESSAGE
+from deploy.loopback.behaviour import TERMINAL_MESSAGE
 from drivers.codex import CodexDriver, CodexSession, CodexSettings
 from drivers.codex_config import render_config
 from drivers.models import (

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from deploy.loopback import LoopbackFixture
-from tests.cli.attestation_helpers import REPO, git_dirty, git_head, relabelled_image, wait_ready
+from tests.cli.attestation_helpers import REPO, git_head, relabelled_image, wait_ready
 from tests.daemon_harness import daemon_settings, running_daemon
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]

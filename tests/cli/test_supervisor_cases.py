@@ -257,3 +257,25 @@ async def test_idle_processes_retired_and_idle_sandbox_stopped(fx, tmp_path, san
         receipt, _, _ = await d.run(chat.job("back again"))
         assert (receipt["context_status"], receipt["outcome"]) == ("RESTORED", "succeeded")
         assert_model_saw(fx, mark, chat)
+
+
+async def test_client_disconnect_does_not_cancel_the_job(fx, tmp_path, sandbox_image) -> None:
+    async with running_daemon(daemon_settings(tmp_path / "home", fx.base_url, sandbox_image)) as d:
+        chat = Chat(RUNTIME)
+        fx.add_rule(stall(2, match="slow one"))
+        reply = chat.expect_turn("slow one")
+        job = chat.job("slow one")
+        async with httpx.AsyncClient(base_url=d.url, headers={"authorization": f"Bearer {TOKEN}"},
+                                     timeout=60) as client:
+            async with client.stream("POST", "/v1/jobs", json=job) as resp:
+                async for line in resp.aiter_lines():
+                    assert json.loads(line) == {"type": "status", "context_status": "NEW"}
+                    break  # the client goes away mid-turn
+        url = f"/v1/jobs/{job['job_id']}"
+        running = await d.client.get(url, params={"user_id": chat.user_id})
+        assert (running.status_code, running.json()) == (202, {"job_id": job["job_id"], "status": "running"})
+        with anyio.fail_after(60):
+            while (got := await d.client.get(url, params={"user_id": chat.user_id})).status_code == 202:
+                await anyio.sleep(0.2)
+        receipt = got.json()
+        assert (receipt["outcome"], receipt["assistant_text"]) == ("succeeded", reply)

@@ -1,0 +1,53 @@
+"""`cloud-agent` as a client of a real daemon: output and exit codes per outcome."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deploy.loopback import LoopbackFixture, reject
+from tests.daemon_harness import TOKEN, daemon_process
+
+pytestmark = [pytest.mark.cli, pytest.mark.docker]
+
+
+def cli(url: str, token_file: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, CLOUD_AGENT_URL=url, CLOUD_AGENT_SERVICE_TOKEN_FILE=token_file)
+    return subprocess.run([sys.executable, "-m", "runner.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_exit_codes_and_json(tmp_path, sandbox_image) -> None:
+    home = tmp_path / "home"
+    with LoopbackFixture.start() as fx, daemon_process(home, fx.base_url, sandbox_image) as dp:
+        token = str(home / "token")
+        fx.add_rule(reject(match="please fail"))
+        base = ["run", "--user", "u1", "--chat", "c1", "--member", "m1", "--runtime", "codex"]
+        ok = cli(dp.url, token, *base, "hello")
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stdout.startswith("ok 1: ")
+        assert "context     NEW" in ok.stderr and "outcome     succeeded" in ok.stderr
+        failed = cli(dp.url, token, *base, "please fail", "--json")
+        assert failed.returncode == 2, failed.stderr
+        receipt = json.loads(failed.stdout.strip().splitlines()[-1])["receipt"]
+        assert (receipt["context_status"], receipt["outcome"], receipt["reason"]) == ("LIVE", "failed", "api_error")
+        refused = cli(dp.url, token, *base, "--locator", "01a20000-0000-7000-8000-000000000000", "x")
+        assert refused.returncode == 3 and "reason      locator_mismatch" in refused.stderr
+        status = json.loads(cli(dp.url, token, "status", "u1", "c1").stdout)
+        assert [(m["member_id"], m["settled_turns"], m["resident"]) for m in status["members"]] == [("m1", 2, True)]
+        assert json.loads(cli(dp.url, token, "retire", "u1", "c1", "m1").stdout) == {"retired": True}
+        forked = json.loads(cli(dp.url, token, "fork", "u1", "c1", "m1", "--new-member", "m2", "--at-turn", "1").stdout)
+        assert (forked["member_id"], forked["forked_from"], forked["at_turn"]) == ("m2", "m1", 1)
+        assert json.loads(cli(dp.url, token, "stop", "u1", "c1").stdout) == {"stopped": True}
+        missing = cli(dp.url, token, "status", "u1", "nope")
+        assert missing.returncode == 1 and "HTTP 404" in missing.stderr
+        bad = tmp_path / "bad-token"
+        bad.write_text("x" * len(TOKEN))
+        denied = cli(dp.url, str(bad), "attest")
+        assert denied.returncode == 1 and "HTTP 401" in denied.stderr
+        attest = json.loads(cli(dp.url, token, "attest").stdout)
+        assert attest["required_helper"] == {"name": "http-agent-live-bridge", "version": 4}

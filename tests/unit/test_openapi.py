@@ -1,0 +1,27 @@
+"""The daemon's OpenAPI document is stable: it changes only together with this snapshot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runner.openapi import openapi_document
+
+SNAPSHOT = Path(__file__).resolve().parents[1] / "data" / "openapi.json"
+
+
+def test_openapi_matches_the_committed_snapshot() -> None:
+    # Regenerate deliberately when the API changes:
+    #   uv run python -c "import json; from runner.openapi import openapi_document as d; \
+    #     print(json.dumps(d(), indent=1, sort_keys=True))" > tests/data/openapi.json
+    assert openapi_document() == json.loads(SNAPSHOT.read_text())
+
+
+def test_every_route_is_documented() -> None:
+    from runner.daemon import Api
+
+    class _Sup:  # routes() needs no real supervisor
+        pass
+
+    routes = {r.path for r in Api(_Sup(), None, max_message_bytes=1).routes()}  # type: ignore[arg-type]
+    assert routes - {"/openapi.json"} == set(openapi_document()["paths"])

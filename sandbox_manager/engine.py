@@ -208,8 +208,16 @@ class DockerEngine:
         await self._call(self.api.remove_container, container_id, force=True)
 
     async def list_labelled(self, label: str) -> list[ContainerInfo]:
-        cs = await self._call(self.client.containers.list, all=True, filters={"label": label})
-        return [_to_info(c) for c in cs]
+        def run() -> list[ContainerInfo]:
+            out = []
+            for row in self.api.containers(all=True, filters={"label": label}):
+                try:  # a container removed between the listing and its inspect is simply gone
+                    out.append(_to_info(self.client.containers.get(row["Id"])))
+                except docker.errors.NotFound:
+                    continue
+            return out
+
+        return await self._call(run)
 
     async def exec_run(self, container_id: str, argv: list[str], *, user: str = "agent",
                        env: dict[str, str] | None = None, workdir: str | None = None) -> tuple[int, bytes]:

@@ -61,11 +61,12 @@ def _remove_this_modules_sandboxes():
 
     client = docker.DockerClient(base_url=f"unix://{cfg.socket_path}")
     try:
-        for c in client.containers.list(all=True, filters={"label": "org.cloud-agent.sandbox=1"}):
-            created = datetime.fromisoformat(c.attrs["Created"][:26].rstrip("Z") + "+00:00")
-            if created >= started and c.labels.get("org.cloud-agent.host-id") in TEST_HOST_IDS:
+        # low-level list: one call, no per-container inspect that a concurrent removal could trip
+        for row in client.api.containers(all=True, filters={"label": "org.cloud-agent.sandbox=1"}):
+            created = datetime.fromtimestamp(row["Created"], UTC)
+            if created >= started.replace(microsecond=0) and row["Labels"].get("org.cloud-agent.host-id") in TEST_HOST_IDS:
                 try:
-                    c.remove(force=True)
+                    client.api.remove_container(row["Id"], force=True)
                 except docker.errors.APIError:
                     pass
     finally:

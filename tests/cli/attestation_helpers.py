@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import os
 import subprocess
 import uuid
@@ -66,5 +68,14 @@ def spawn_daemon(home: Path, env: dict[str, str]) -> Iterator[DaemonProcess]:
         yield spawned
 
 
-def probe_containers(docker_client: Any, host_id: str) -> list[Any]:
-    return docker_client.containers.list(all=True, filters={"label": f"org.cloud-agent.probe={host_id}"})
+@dataclass(frozen=True)
+class ListedContainer:
+    id: str
+    name: str
+
+
+def probe_containers(docker_client: Any, host_id: str) -> list[ListedContainer]:
+    """One list call (no per-container inspect): a probe container may be removed between
+    the engine's listing and a later inspect, which the high-level SDK list would trip on."""
+    rows = docker_client.api.containers(all=True, filters={"label": f"org.cloud-agent.probe={host_id}"})
+    return [ListedContainer(id=r["Id"], name=r["Names"][0].lstrip("/")) for r in rows]

@@ -50,9 +50,10 @@ def fx() -> Iterator[LoopbackFixture]:
 
 def remove_host_containers(docker_client: Any, host_id: str) -> None:
     """Remove every container a daemon with ``host_id`` created (best effort)."""
-    for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_HOST}={host_id}"}):
+    # low-level list: one call, no per-container inspect that a concurrent removal could trip
+    for row in docker_client.api.containers(all=True, filters={"label": f"{LABEL_HOST}={host_id}"}):
         try:
-            c.remove(force=True)
+            docker_client.api.remove_container(row["Id"], force=True)
         except Exception:  # noqa: BLE001 - already gone, or the engine is busy: nothing to keep
             pass
 

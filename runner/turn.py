@@ -24,6 +24,7 @@ from drivers.models import (
     HandshakeReason,
     Locator,
     NotSettled,
+    NotSettledReason,
     Settlement,
 )
 from drivers.registry import get_driver
@@ -242,12 +243,10 @@ class TurnRunner:
                 await session.handshake()
         except HandshakeFailed as hf:
             await self.pool.retire(key, f"handshake failed: {hf.reason.value}")
-            if launch.resume and hf.reason in (HandshakeReason.NATIVE_STATE_MISSING,
-                                                    HandshakeReason.LOCATOR_MISMATCH,
-                                                    HandshakeReason.HELPER_VERSION):
-                raise Refusal(hf.reason.value) from None
             if hf.reason == HandshakeReason.HELPER_VERSION:
-                raise Refusal(hf.reason.value, status=ctx.status) from None
+                raise Refusal(hf.reason.value, status=ContextStatus.LOST if launch.resume else ctx.status) from None
+            if launch.resume and hf.reason in (HandshakeReason.NATIVE_STATE_MISSING, HandshakeReason.LOCATOR_MISMATCH):
+                raise Refusal(hf.reason.value) from None
             raise _NotStarted(f"handshake_{hf.reason.value}", hf.detail) from None
         except TimeoutError:
             await self.pool.retire(key, "handshake timeout")
@@ -276,8 +275,6 @@ class TurnRunner:
             with anyio.move_on_after(self.turn_timeout_s + 30) as watchdog:
                 outcome = await session.run_turn(job.message, emit=forward, timeout_s=self.turn_timeout_s)
             if watchdog.cancelled_caught:
-                from drivers.models import NotSettledReason
-
                 outcome = NotSettled(reason=NotSettledReason.TIMEOUT, detail="runner watchdog")
         except BaseException:
             with anyio.CancelScope(shield=True):

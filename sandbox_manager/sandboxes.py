@@ -179,7 +179,7 @@ class SandboxManager:
             started = True
             log.info("sandbox.started", container=rec.container_name)
         rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
-        await self.store.put_sandbox(rec)
+        await self.store.touch_sandbox(user_id, chat_id)
         return Sandbox(record=rec, container=info, image=image, started=started)
 
     async def _check(self, rec: SandboxRecord) -> tuple[ContainerInfo, ImageInfo]:

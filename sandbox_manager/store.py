@@ -199,9 +199,11 @@ class Store:
         await self._run(q)
 
     async def touch_sandbox(self, user_id: str, chat_id: str) -> None:
+        """A checked, running sandbox about to serve a turn: state and last use, nothing else."""
+
         def q(db: sqlite3.Connection) -> None:
-            db.execute("UPDATE sandboxes SET last_used_at=? WHERE user_id=? AND chat_id=?",
-                       (now().isoformat(), user_id, chat_id))
+            db.execute("UPDATE sandboxes SET state=?, last_used_at=? WHERE user_id=? AND chat_id=?",
+                       (SandboxState.RUNNING.value, now().isoformat(), user_id, chat_id))
 
         await self._run(q)
 

@@ -131,7 +131,7 @@ def ensure_engine(cfg: EngineConfig | None = None) -> str:
 
 
 def main() -> int:
-    from runner.logs import configure_logging
+    from telemetry.logs import configure_logging
 
     configure_logging()
     try:

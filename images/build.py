@@ -7,14 +7,13 @@ Steps (each skipped when its output for the same inputs already exists):
   4. image    docker build --network none, every pin as a label
   5. verify   each CLI's --version in the image must equal its pin
 
-The tag is derived from the build inputs (pins file, Dockerfile, in-image helpers), so a
-pin change forces a rebuild and an unchanged input set is never rebuilt.
+The tag is derived from the build inputs (``images.identity``), so a pin change forces a
+rebuild and an unchanged input set is never rebuilt.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -27,14 +26,11 @@ from pathlib import Path
 
 import structlog
 
-from images.pins import PINS_FILE, Pins, load_pins
+from images.identity import DOCKERFILE, helper_files, image_labels, image_tag, input_hash
+from images.pins import Pins, load_pins
 
 log = structlog.get_logger("image")
 
-SANDBOX_DIR = Path(__file__).with_name("sandbox")
-DOCKERFILE = SANDBOX_DIR / "Dockerfile"
-HELPERS_DIR = SANDBOX_DIR / "helpers"
-IMAGE_REPO = "cloud-agent-sandbox"
 BASE_REPO = "cloud-agent-base"
 DEFAULT_WORK_DIR = Path(os.environ.get("CLOUD_AGENT_BUILD_DIR", "/var/tmp/cloud-agent-build"))
 
@@ -43,23 +39,6 @@ class ImageBuildError(RuntimeError):
     def __init__(self, step: str, detail: str) -> None:
         super().__init__(f"image build failed at step '{step}': {detail}")
         self.step = step
-
-
-def _sha(*parts: bytes) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(len(p).to_bytes(8, "big"))
-        h.update(p)
-    return h.hexdigest()
-
-
-def helper_files() -> list[Path]:
-    return sorted(p for p in HELPERS_DIR.iterdir() if p.is_file())
-
-
-def carries_bridge(pins: Pins) -> bool:
-    """The image claims the helper (label) only when it really carries it."""
-    return (HELPERS_DIR / pins.helper.name).is_file()
 
 
 @dataclass(frozen=True)
@@ -75,27 +54,16 @@ class BuildPlan:
         return self.work_dir / f"ctx-{self.npm_key}"
 
     def labels(self) -> dict[str, str]:
-        labels = self.pins.labels(with_helper=carries_bridge(self.pins))
-        labels["org.cloud-agent.inputs"] = self.tag.split(":", 1)[1]
-        return labels
+        return image_labels(self.pins, self.tag)
 
 
 def plan(work_dir: Path = DEFAULT_WORK_DIR) -> BuildPlan:
     pins = load_pins()
-    parts = [PINS_FILE.read_bytes(), DOCKERFILE.read_bytes()]
-    for f in helper_files():
-        parts += [f.name.encode(), f.read_bytes()]
-    digest = _sha(*parts)[:16]
-    base_key = _sha(pins.base.model_dump_json().encode())[:12]
-    npm_key = _sha(pins.node.model_dump_json().encode(),
-                   json.dumps({k: v.spec for k, v in sorted(pins.cli.items())}).encode())[:12]
-    return BuildPlan(pins=pins, tag=f"{IMAGE_REPO}:{digest}", base_tag=f"{BASE_REPO}:{base_key}",
+    base_key = input_hash(pins.base.model_dump_json().encode())[:12]
+    npm_key = input_hash(pins.node.model_dump_json().encode(),
+                         json.dumps({k: v.spec for k, v in sorted(pins.cli.items())}).encode())[:12]
+    return BuildPlan(pins=pins, tag=image_tag(), base_tag=f"{BASE_REPO}:{base_key}",
                      npm_key=npm_key, work_dir=work_dir)
-
-
-def image_tag() -> str:
-    """The tag the current inputs build (what the supervisor runs)."""
-    return plan().tag
 
 
 # -- process helpers ---------------------------------------------------------------------
@@ -343,7 +311,7 @@ def _build(p: BuildPlan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runner.logs import configure_logging
+    from telemetry.logs import configure_logging
 
     configure_logging()
     args = argv if argv is not None else sys.argv[1:]

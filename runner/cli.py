@@ -11,10 +11,11 @@ import sys
 import uuid
 from typing import Any
 
-from runner.logs import configure_logging
-from runner.receipts import EXIT_CODES, Outcome
+from state.receipts import Outcome
+from telemetry.logs import configure_logging
 
 EXIT_ERROR = 1
+EXIT_CODES = {Outcome.SUCCEEDED: 0, Outcome.FAILED: 2, Outcome.REFUSED: 3, Outcome.NOT_SETTLED: 4}
 
 
 def _print_json(obj: Any) -> None:

@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from runner.forks import ForkError
-from runner.jobs import ID_PATTERN, ForkRequest, Job
 from runner.openapi import openapi_document
 from runner.supervisor import Supervisor
+from state.jobs import ID_PATTERN, ForkRequest, Job
 
 NDJSON = "application/x-ndjson"
 _ID = re.compile(ID_PATTERN)

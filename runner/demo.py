@@ -61,7 +61,7 @@ async def run_demo(runtimes: list[str], *, json_output: bool = False) -> int:
 
     ensure_engine()
     image = ensure_image()  # logs progress while it builds
-    from runner.logs import configure_logging
+    from telemetry.logs import configure_logging
 
     configure_logging(json=False, level="WARNING")  # from here on the table tells the story
     runtimes = available_runtimes(runtimes)

@@ -24,13 +24,13 @@ import structlog
 
 from drivers.models import Locator
 from drivers.registry import get_driver
-from runner.jobs import ForkRequest
 from runner.processes import member_paths, start_in_sandbox
 from runner.residents import ResidentPool
 from runner.turn import TurnRunner, to_locator, to_saved
-from sandbox_manager.records import MemberRecord, PendingFork
 from sandbox_manager.sandboxes import Sandbox, SandboxLost, SandboxManager
-from sandbox_manager.store import Store
+from state.jobs import ForkRequest
+from state.records import MemberRecord, PendingFork
+from state.store import Store
 
 log = structlog.get_logger("fork")
 

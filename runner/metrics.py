@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from runner.receipts import Outcome, Receipt
+from state.receipts import Outcome, Receipt
 
 BUCKETS_MS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000, 300000)
 PHASES = ("sandbox", "process", "turn", "total")

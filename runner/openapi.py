@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from runner.jobs import ID_PATTERN, ForkRequest, Job
-from runner.receipts import Receipt
+from state.jobs import ID_PATTERN, ForkRequest, Job
+from state.receipts import Receipt
 
 API_VERSION = "1"
 

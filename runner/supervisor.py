@@ -22,19 +22,19 @@ import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from images.build import carries_bridge, image_tag
+from images.identity import carries_bridge, image_tag
 from images.pins import load_pins
 from runner.config import Settings
 from runner.forks import Forker
-from runner.jobs import ForkRequest, Job
 from runner.metrics import Metrics
-from runner.receipts import Outcome, Receipt
 from runner.residents import ResidentPool
 from runner.turn import TestHooks, TurnRunner
 from sandbox_manager.engine import DockerEngine, Engine
-from sandbox_manager.records import SandboxState
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
-from sandbox_manager.store import Store
+from state.jobs import ForkRequest, Job
+from state.receipts import Outcome, Receipt
+from state.records import SandboxState
+from state.store import Store
 
 log = structlog.get_logger("supervisor")
 

@@ -30,13 +30,13 @@ from drivers.models import (
 from drivers.registry import get_driver
 from drivers.transport import Transport
 from images.pins import load_pins
-from runner.jobs import Job
 from runner.processes import member_paths, start_in_sandbox
-from runner.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
 from runner.residents import Resident, ResidentPool
-from sandbox_manager.records import MemberRecord, SavedLocator
 from sandbox_manager.sandboxes import ImageRefused, Sandbox, SandboxLost, SandboxManager
-from sandbox_manager.store import MemberOutcome, Store, VerifiedTurn
+from state.jobs import Job
+from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
+from state.records import MemberRecord, SavedLocator
+from state.store import MemberOutcome, Store, VerifiedTurn
 
 log = structlog.get_logger("turn")
 

@@ -19,8 +19,8 @@ import structlog
 from images.checks import check_image_labels
 from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, NotFound
 from sandbox_manager.exec_stream import ExecStream
-from sandbox_manager.records import SandboxRecord, SandboxState
-from sandbox_manager.store import Store, now
+from state.records import SandboxRecord, SandboxState
+from state.store import Store, now
 
 log = structlog.get_logger("sandbox")
 

@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from runner.logs import configure_logging
+from telemetry.logs import configure_logging
 
 from .server import LoopbackFixture
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from deploy.loopback import LoopbackFixture, load_jsonl
-from runner.logs import configure_logging
+from telemetry.logs import configure_logging
 
 DATA = ROOT / "tests" / "data" / "loopback"
 SAMPLES = {"anthropic": ("claude-2.1.220.jsonl", "/v1/messages?beta=true"),

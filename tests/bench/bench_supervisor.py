@@ -80,7 +80,7 @@ class BareCodex:
 
 
 async def main(n: int) -> None:
-    from runner.logs import configure_logging
+    from telemetry.logs import configure_logging
 
     configure_logging(json=False, level="WARNING")
     image = ensure_image()

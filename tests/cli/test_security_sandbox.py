@@ -10,7 +10,7 @@ import pytest
 from deploy.loopback import LoopbackFixture
 from sandbox_manager.engine import DockerEngine
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
-from sandbox_manager.store import Store
+from state.store import Store
 from tests.cli.attestation_helpers import wait_ready
 from tests.daemon_harness import daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat

@@ -12,7 +12,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture, stall
 from sandbox_manager.sandboxes import LABEL_IDENTITY
-from sandbox_manager.store import Store
+from state.store import Store
 from tests.daemon_harness import TOKEN, daemon_process, daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, high_water
 

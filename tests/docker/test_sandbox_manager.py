@@ -8,10 +8,9 @@ import uuid
 import anyio
 import pytest
 
-from images.build import carries_bridge
+from images.identity import carries_bridge
 from images.pins import load_pins
 from sandbox_manager.engine import DockerEngine, FileEntry
-from sandbox_manager.records import SandboxState
 from sandbox_manager.sandboxes import (
     LABEL_IDENTITY,
     LostReason,
@@ -20,7 +19,8 @@ from sandbox_manager.sandboxes import (
     SandboxManager,
     container_name,
 )
-from sandbox_manager.store import Store
+from state.records import SandboxState
+from state.store import Store
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 

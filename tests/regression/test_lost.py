@@ -41,8 +41,8 @@ from drivers.codex import CodexDriver
 from drivers.models import Locator
 from runner.processes import member_paths
 from sandbox_manager.engine import DATA_ROOT_LABEL, DATA_ROOT_VOLUME
-from sandbox_manager.records import MemberRecord
 from sandbox_manager.sandboxes import LABEL_CHAT, SandboxManager, digest
+from state.records import MemberRecord
 from tests.regression.conftest import regression_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
 

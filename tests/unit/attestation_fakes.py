@@ -16,7 +16,7 @@ from runner.attestation import Attestor, SourceIdentity
 from runner.supervisor import Heartbeat
 from sandbox_manager.engine import ContainerInfo, ContainerSpec, EngineError, ImageInfo, NotFound
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
-from sandbox_manager.store import Store
+from state.store import Store
 
 IMAGE = "cloud-agent-sandbox:fake"
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from runner.config import load_settings
-from runner.jobs import Job
+from state.jobs import Job
 
 BASE = {"job_id": "j-1", "user_id": "u1", "chat_id": "c1", "member_id": "m1", "runtime": "codex", "message": "hi"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from runner.metrics import Metrics
-from runner.receipts import ContextStatus, Outcome, Receipt, Timings
+from state.receipts import ContextStatus, Outcome, Receipt, Timings
 
 
 def receipt(status: ContextStatus | None, outcome: Outcome, reason: str | None = None, total: int = 120) -> Receipt:

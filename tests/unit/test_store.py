@@ -7,8 +7,9 @@ import sqlite3
 import anyio
 import pytest
 
-from sandbox_manager.records import JobState
-from sandbox_manager.store import MIGRATIONS, MemberOutcome, SavedLocator, Store, VerifiedTurn
+from state.migrations import MIGRATIONS
+from state.records import JobState
+from state.store import MemberOutcome, SavedLocator, Store, VerifiedTurn
 
 pytestmark = pytest.mark.anyio
 

@@ -23,8 +23,6 @@ class Outcome(StrEnum):
     NOT_SETTLED = "not_settled"
 
 
-EXIT_CODES = {Outcome.SUCCEEDED: 0, Outcome.FAILED: 2, Outcome.REFUSED: 3, Outcome.NOT_SETTLED: 4}
-
 
 class SettlementInfo(BaseModel):
     evidence: str | None = None

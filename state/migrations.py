@@ -1,0 +1,76 @@
+"""Versioned schema migrations of the SQLite store (``PRAGMA user_version`` counts them).
+
+A migration is appended, never edited: a store on disk records how many it has applied.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+MIGRATIONS: list[str] = [
+    # 1: the first schema
+    """
+    CREATE TABLE sandboxes (
+        user_id TEXT NOT NULL, chat_id TEXT NOT NULL,
+        container_id TEXT NOT NULL, container_name TEXT NOT NULL, image_id TEXT NOT NULL,
+        data_root_id TEXT NOT NULL, host_id TEXT NOT NULL,
+        state TEXT NOT NULL, lost_reason TEXT,
+        created_at TEXT NOT NULL, last_used_at TEXT NOT NULL,
+        PRIMARY KEY (user_id, chat_id)
+    );
+    CREATE TABLE members (
+        user_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT NOT NULL,
+        runtime TEXT NOT NULL, locator_id TEXT, locator_path TEXT,
+        settled_turns INTEGER NOT NULL DEFAULT 0, last_status TEXT, last_outcome TEXT,
+        forked_from TEXT, created_at TEXT NOT NULL, updated_at TEXT NOT NULL,
+        PRIMARY KEY (user_id, chat_id, member_id)
+    );
+    CREATE TABLE jobs (
+        job_id TEXT PRIMARY KEY, user_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT NOT NULL,
+        body_digest TEXT NOT NULL, state TEXT NOT NULL, owner TEXT NOT NULL,
+        receipt_json TEXT, created_at TEXT NOT NULL, finished_at TEXT
+    );
+    CREATE INDEX jobs_by_chat ON jobs (user_id, chat_id, finished_at);
+    """,
+    # 2: a LOST member stays LOST, independently of the status of its last turn
+    """
+    ALTER TABLE members ADD COLUMN lost_reason TEXT;
+    """,
+    # 3: forks — whose native home a member uses, and a fork the CLI makes at the first turn
+    """
+    ALTER TABLE members ADD COLUMN home_member_id TEXT;
+    ALTER TABLE members ADD COLUMN pending_fork TEXT;
+    """,
+    # 4: job ids are scoped by user: another user's job id must be indistinguishable from a
+    # fresh one (a global key answered "conflict", which revealed that the job exists)
+    """
+    CREATE TABLE jobs_v4 (
+        user_id TEXT NOT NULL, job_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT NOT NULL,
+        body_digest TEXT NOT NULL, state TEXT NOT NULL, owner TEXT NOT NULL,
+        receipt_json TEXT, created_at TEXT NOT NULL, finished_at TEXT,
+        PRIMARY KEY (user_id, job_id)
+    );
+    INSERT INTO jobs_v4 (user_id, job_id, chat_id, member_id, body_digest, state, owner, receipt_json,
+                         created_at, finished_at)
+        SELECT user_id, job_id, chat_id, member_id, body_digest, state, owner, receipt_json, created_at, finished_at
+        FROM jobs;
+    DROP TABLE jobs;
+    ALTER TABLE jobs_v4 RENAME TO jobs;
+    CREATE INDEX jobs_by_chat ON jobs (user_id, chat_id, finished_at);
+    """,
+]
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Apply every migration the store has not seen, each in its own transaction."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    for i, sql in enumerate(MIGRATIONS[version:], start=version + 1):
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for stmt in filter(str.strip, sql.split(";")):
+                db.execute(stmt)
+            db.execute(f"PRAGMA user_version = {i}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise

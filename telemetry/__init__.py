@@ -1,0 +1,1 @@
+"""Logging set-up and shared metric helpers, importable by every layer."""

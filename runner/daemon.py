@@ -19,7 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from runner.api_errors import error, path_ids, validation_error
 from runner.forks import ForkError
+from runner.inspector_api import InspectorRoutes
 from runner.openapi import openapi_document
 from runner.supervisor import Supervisor
 from state.jobs import ID_PATTERN, ForkRequest, Job
@@ -28,29 +30,6 @@ NDJSON = "application/x-ndjson"
 _ID = re.compile(ID_PATTERN)
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def error(status: int, code: str, detail: Any = None) -> JSONResponse:
-    body: dict[str, Any] = {"error": code}
-    if detail is not None:
-        body["detail"] = detail
-    return JSONResponse(body, status_code=status)
-
-
-def validation_error(exc: ValidationError) -> JSONResponse:
-    fields = []
-    for e in exc.errors(include_url=False, include_input=False):
-        loc = ".".join(str(p) for p in e["loc"]) or "body"
-        fields.append({"field": loc, "message": e["msg"], "type": e["type"]})
-    return error(422, "invalid_request", fields)
-
-
-def path_ids(request: Request, *names: str) -> tuple[str, ...] | JSONResponse:
-    bad = [{"field": n, "message": f"must match {ID_PATTERN}", "type": "string_pattern_mismatch"}
-           for n in names if not _ID.match(request.path_params[n]) or ".." in request.path_params[n]]
-    if bad:
-        return error(422, "invalid_request", bad)
-    return tuple(request.path_params[n] for n in names)
 
 
 def ndjson_line(obj: dict[str, Any]) -> bytes:
@@ -209,6 +188,7 @@ class Api:
             Route(f"{base}/members/{{member_id}}/retire", g(self.retire_member), methods=["POST"]),
             Route(f"{base}/members/{{member_id}}/fork", g(self.fork_member), methods=["POST"]),
             Route("/v1/attestation", g(self.attest), methods=["GET"]),
+            *InspectorRoutes(self).routes(g),
             Route("/openapi.json", g(self.openapi), methods=["GET"]),
             Route("/metrics", g(self.metrics), methods=["GET"]),
             Route("/healthz", self.healthz, methods=["GET"]),

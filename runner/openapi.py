@@ -5,6 +5,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from runner.inspector_openapi import MODELS as INSPECTOR_MODELS
+from runner.inspector_openapi import inspector_paths
 from state.jobs import ID_PATTERN, ForkRequest, Job
 from state.receipts import Receipt
 
@@ -18,7 +20,7 @@ def _ref(name: str) -> dict[str, str]:
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (Job, Receipt, ForkRequest):
+    for model in (Job, Receipt, ForkRequest, *INSPECTOR_MODELS):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -59,6 +61,7 @@ def openapi_document() -> dict[str, Any]:
         "/healthz": {"get": {"summary": "Liveness (no token)", "security": [], "responses": {"200": {"description": "ok"}}}},
         "/readyz": {"get": {"summary": "Readiness with named reasons", "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
     }
+    paths.update(inspector_paths(chat))
     return {
         "openapi": "3.1.0",
         "info": {"title": "Cloud Agent session supervisor", "version": API_VERSION},

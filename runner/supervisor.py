@@ -133,6 +133,10 @@ class Supervisor:
         lock = self._locks.get(key)
         return lock is not None and lock.locked()
 
+    def in_turn(self, key: tuple[str, str, str]) -> bool:
+        """A turn of this member holds its lock now (the inspector's host view)."""
+        return self._busy(key)
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Supervisor"]:
         await self.recover()

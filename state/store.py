@@ -328,6 +328,42 @@ class Store:
 
         return await self._run(q)
 
+    async def chat_jobs(self, user_id: str, chat_id: str, *, member_id: str | None = None,
+                        after: tuple[str, str] | None = None, until: tuple[str, str] | None = None,
+                        offset: int = 0, limit: int = 50, newest_first: bool = False) -> list[JobRecord]:
+        """A chat's jobs (running ones too) in start order: ``(created_at, job_id)``, a total order
+        that a later job never reorders, so a cursor of the last row seen pages stably."""
+        where, args = ["user_id=?", "chat_id=?"], [user_id, chat_id]
+        if member_id is not None:
+            where.append("member_id=?")
+            args.append(member_id)
+        if after is not None:
+            where.append("(created_at > ? OR (created_at = ? AND job_id > ?))")
+            args += [after[0], after[0], after[1]]
+        if until is not None:
+            where.append("(created_at < ? OR (created_at = ? AND job_id <= ?))")
+            args += [until[0], until[0], until[1]]
+        order = "DESC" if newest_first else "ASC"
+        sql = (f"SELECT * FROM jobs WHERE {' AND '.join(where)} ORDER BY created_at {order}, job_id {order}"  # noqa: S608
+               " LIMIT ? OFFSET ?")
+
+        def q(db: sqlite3.Connection) -> list[JobRecord]:
+            return [self._job(r) for r in db.execute(sql, (*args, limit, offset)).fetchall()]
+
+        return await self._run(q)
+
+    async def count_chat_jobs(self, user_id: str, chat_id: str, *, before: tuple[str, str] | None = None) -> int:
+        """How many of the chat's jobs start before ``before`` (all of them without it)."""
+        sql, args = "SELECT COUNT(*) FROM jobs WHERE user_id=? AND chat_id=?", [user_id, chat_id]
+        if before is not None:
+            sql += " AND (created_at < ? OR (created_at = ? AND job_id < ?))"
+            args += [before[0], before[0], before[1]]
+
+        def q(db: sqlite3.Connection) -> int:
+            return int(db.execute(sql, args).fetchone()[0])
+
+        return await self._run(q)
+
     def raw_rows(self, table: str) -> list[dict[str, Any]]:
         """Synchronous read for tests and operators (e.g. after a kill -9)."""
         with self._lock:

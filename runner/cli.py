@@ -59,6 +59,20 @@ def cmd_run(args: argparse.Namespace, client: Any) -> int:
     return EXIT_CODES[Outcome(receipt["outcome"])]
 
 
+def cmd_inspect(args: argparse.Namespace, client: Any) -> int:
+    from runner.diagnosis import Diagnosis, render_text
+
+    if args.turn is not None and args.turn < 1:
+        print("error: --turn must be 1 or more", file=sys.stderr)
+        return EXIT_ERROR
+    raw = client.inspect(args.user, args.chat, args.turn)
+    if args.json:
+        _print_json(raw)
+    else:
+        print(render_text(Diagnosis.model_validate(raw)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cloud-agent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         fk.add_argument(n)
     fk.add_argument("--new-member", required=True)
     fk.add_argument("--at-turn", type=int)
+    ins = sub.add_parser("inspect", help="diagnose a chat's turn: route, session identity, native state, request")
+    ins.add_argument("user")
+    ins.add_argument("chat")
+    ins.add_argument("--turn", type=int, help="the turn's index in the chat's timeline (default: the latest)")
     sub.add_parser("attest", help="print the host attestation document")
     d = sub.add_parser("demo", help="the main job on the embedded default (loopback fixture)")
     d.add_argument("--runtimes", default="claude,codex,pi,opencode,kilo")
@@ -141,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args, client)
+        if args.command == "inspect":
+            return cmd_inspect(args, client)
         if args.command == "status":
             result = client.status(args.user, args.chat)
         elif args.command == "stop":

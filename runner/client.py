@@ -75,6 +75,12 @@ class DaemonClient:
         return self._json(self._http.post(f"/v1/users/{user_id}/chats/{chat_id}/members/{member_id}/fork",
                                           json=body))
 
+    def inspect(self, user_id: str, chat_id: str, turn: int | None, *, native: bool = True) -> Any:
+        params: dict[str, Any] = {"native": "true" if native else "false"}
+        if turn is not None:
+            params["turn"] = turn
+        return self._json(self._http.get(f"/v1/users/{user_id}/chats/{chat_id}/inspect", params=params))
+
     def attestation(self) -> Any:
         return self._json(self._http.get("/v1/attestation"))
 

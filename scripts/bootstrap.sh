@@ -30,6 +30,15 @@ ensure_uv() {
   UV="$TOOLS/bin/uv"
 }
 
+# The browser tests (tests/browser, marker `browser`) drive Debian's Chromium through its
+# chromedriver; nothing downloads a browser of its own. Idempotent: a no-op once installed.
+ensure_browser() {
+  if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then return 0; fi
+  [ "$(id -u)" = 0 ] || { echo "chromium + chromium-driver are missing and we are not root" >&2; return 1; }
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    chromium chromium-driver fonts-dejavu-core
+}
+
 ensure_uv
 timed "python deps (uv sync)" "$UV" sync --frozen --quiet
 timed "docker engine" "$UV" run --frozen python -m deploy.engine

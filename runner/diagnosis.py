@@ -213,6 +213,12 @@ def identity_step(ev: Evidence, receipt: Receipt, reason: str | None) -> Step:
     if reason in IDENTITY_REASONS and (lost or reason == "identity_mismatch"):
         return Step(name="identity", title="Session identity", verdict="problem", facts=facts,
                     summary=f"{reason}: {IDENTITY_REASONS[reason]}")
+    if lost and reason in ROUTE_REASONS:
+        return Step(name="identity", title="Session identity", verdict="unknown", facts=facts,
+                    summary="not reached: the route failed first")
+    if lost and reason in NATIVE_REASONS:
+        return Step(name="identity", title="Session identity", verdict="unknown", facts=facts,
+                    summary="the saved locator could not be resumed: its native state is gone")
     if receipt.outcome == Outcome.REFUSED and not lost and reason in REFUSAL_WORDS:
         return Step(name="identity", title="Session identity", verdict="ok", facts=facts,
                     summary=f"{reason}: {REFUSAL_WORDS[reason]}; the member is unchanged")
@@ -249,7 +255,7 @@ def native_step(ev: Evidence, receipt: Receipt, reason: str | None) -> Step:
                     summary=f"{reason}: {NATIVE_REASONS[reason]}")
     if receipt.context_status == ContextStatus.LOST:
         return Step(name="native_state", title="Native state", verdict="unknown", facts=facts,
-                    summary="not reached: the turn was refused at an earlier step")
+                    summary="not reached: an earlier step failed")
     if n is not None and n.checked and n.present is False and m is not None and m.settled_turns > 0:
         return Step(name="native_state", title="Native state", verdict="problem", facts=facts,
                     summary="the session files are missing now: a resume would be LOST")

@@ -1,8 +1,8 @@
 """Shared test fixtures.
 
 Tiers (pytest markers): unmarked tests are the fast unit tier; ``docker`` tests need a
-running engine and the pinned image; ``cli`` tests drive a real pinned CLI. CI runs all
-of them. ``pytest -m "not docker and not cli"`` runs the unit tier alone.
+running engine and the pinned image; ``cli`` tests drive a real pinned CLI; ``browser``
+tests drive Debian's headless Chromium (tests/browser). CI runs all of them. ``pytest -m "not docker and not cli"`` runs the unit tier alone.
 """
 
 from __future__ import annotations

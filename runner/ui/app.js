@@ -30,7 +30,12 @@ function route() {
   return { page: "host" };
 }
 
+// Each navigation renders into a detached node; only the latest one is shown, so a slow
+// answer for a page the operator already left never replaces the page they are on.
+let generation = 0;
+
 async function render() {
+  const gen = ++generation;
   const r = route();
   for (const [id, page] of [["nav-host", "host"], ["nav-chat", "chat"]]) {
     if (r.page === page) $(id).setAttribute("aria-current", "page"); else $(id).removeAttribute("aria-current");
@@ -46,11 +51,15 @@ async function render() {
   const view = $("view");
   delete view.dataset.ready;
   clear(view).append(el("p", { class: "loading" }, "Loading…"));
+  const next = el("div", { class: "page" });
   try {
-    if (r.page === "chat") await chatPage(view, r.user, r.chat);
-    else await hostPage(view);
+    if (r.page === "chat") await chatPage(next, r.user, r.chat);
+    else await hostPage(next);
+    if (gen !== generation) return;
+    clear(view).append(next);
     view.dataset.ready = r.page;
   } catch (err) {
+    if (gen !== generation) return;
     if (err instanceof Unauthorized) {
       token.clear();
       askForToken(true);

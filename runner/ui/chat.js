@@ -30,7 +30,7 @@ function latestByMember(turns) {
   return out;
 }
 
-function memberTree(members, latest) {
+export function memberTree(members, latest = new Map()) {
   const ids = new Set(members.map((m) => m.member_id));
   const children = new Map();
   const roots = [];
@@ -49,7 +49,7 @@ function memberTree(members, latest) {
          m.lost_reason ? el("span", { class: "reason" }, " lost: ", el("strong", {}, m.lost_reason)) : null),
       facts([
         m.forked_from ? ["Forked from", m.forked_from] : null,
-        ["Locator", m.locator ? code(m.locator.id, 20) : "∅"],
+        ["Locator", m.locator ? code(m.locator.id) : "∅"],
         ["Settled turns", String(m.settled_turns)],
         ["Resident", m.resident ? "yes" : "no"],
         ["Last outcome", na(m.last_outcome)],
@@ -60,16 +60,24 @@ function memberTree(members, latest) {
   return el("ul", { class: "tree tree-root" }, roots.map(node));
 }
 
-function sandboxFacts(sb, latest) {
+// The helper version the chat's sandbox last reported (a refused turn reports none).
+function lastHelper(turns) {
+  for (const t of [...turns].reverse()) {
+    const v = t.receipt && t.receipt.sandbox && t.receipt.sandbox.helper_version;
+    if (v) return v;
+  }
+  return null;
+}
+
+function sandboxFacts(sb, turns) {
   if (!sb) return el("p", {}, "No sandbox recorded for this chat.");
-  const r = [...latest.values()].pop();
   return facts([
     ["State", el("span", {}, el("span", { class: `state state-${sb.state}` }, sb.state),
                  sb.lost_reason ? ` (${sb.lost_reason})` : "")],
-    ["Container", el("span", {}, sb.container_name, " ", code(sb.container_id, 12))],
+    ["Container", el("span", { class: "stack" }, code(sb.container_name), code(sb.container_id, 12))],
     ["Image", code(sb.image_id, 19)],
     ["Volume", na(sb.volume)],
-    ["Helper", na(r && r.sandbox && r.sandbox.helper_version)],
+    ["Helper", na(lastHelper(turns))],
     ["Last used", when(sb.last_used_at)],
   ]);
 }
@@ -126,7 +134,7 @@ export async function chatPage(view, user, chat) {
   });
   const side = el("div", { class: "side" },
     el("section", { class: "panel", "aria-labelledby": "sandbox-title" },
-      el("h3", { id: "sandbox-title" }, "Sandbox"), sandboxFacts(status.sandbox, latest)),
+      el("h3", { id: "sandbox-title" }, "Sandbox"), sandboxFacts(status.sandbox, turns)),
     el("section", { class: "panel", "aria-labelledby": "members-title" },
       el("h3", { id: "members-title" }, "Members"),
       status.members.length ? memberTree(status.members, latest) : el("p", {}, "No members.")));

@@ -76,7 +76,7 @@ export function renderTurn(turn, { onDiagnose } = {}) {
   const sb = r.sandbox || {};
   row.append(facts([
     ["Job", code(turn.job_id)],
-    ["Locator", el("span", { class: "locator" }, code(r.locator_before, 14), " → ", code(r.locator_after, 14))],
+    ["Locator", el("span", { class: "locator" }, code(r.locator_before), " → ", code(r.locator_after))],
     ["Settlement", settlement],
     ...wireFacts(r.wire),
     ["Sandbox", el("span", {}, "container ", code(sb.container_id, 12), " · image ", code(sb.image_id, 19))],

@@ -75,8 +75,54 @@ def console_errors(driver: Any) -> list[dict[str, Any]]:
 
 
 def full_page_screenshot(driver: Any, path: Path, width: int) -> Path:
-    """The whole page, not only the viewport: grow the window to the document's height."""
-    height = driver.execute_script("return Math.ceil(document.documentElement.scrollHeight)")
-    driver.set_window_size(width, min(max(int(height) + 20, 400), 8000))
-    driver.save_screenshot(str(path))
+    """The whole page at ``width`` CSS pixels, not only the viewport (DevTools protocol)."""
+    import base64
+
+    driver.execute_script("window.scrollTo(0, 0)")
+    height = int(driver.execute_script("return Math.ceil(document.documentElement.scrollHeight)"))
+    metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+    try:
+        height = int(driver.execute_script("return Math.ceil(document.documentElement.scrollHeight)"))
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
+            "format": "png", "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}})
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    path.write_bytes(base64.b64decode(shot["data"]))
     return path
+
+
+# Every element that shows text of its own: its text colour against the first opaque
+# background behind it, as WCAG 2 computes contrast (AA: 4.5:1, large text 3:1).
+CONTRAST_JS = """
+const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+const lum = ([r, g, b]) => {
+  const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+  return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+};
+const background = (el) => {
+  for (let n = el; n; n = n.parentElement) {
+    const c = rgb(getComputedStyle(n).backgroundColor);
+    if (c.length === 3 || (c.length === 4 && c[3] > 0)) return c.slice(0, 3);
+  }
+  return [255, 255, 255];
+};
+const out = [];
+for (const el of document.querySelectorAll("body *")) {
+  const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+  const style = getComputedStyle(el);
+  if (!own || style.visibility === "hidden" || el.offsetParent === null && style.position !== "fixed") continue;
+  const a = lum(rgb(style.color)), b = lum(background(el));
+  const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+  const size = parseFloat(style.fontSize), bold = Number(style.fontWeight) >= 700;
+  const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
+  if (ratio < need) out.push({ text: el.textContent.trim().slice(0, 40), ratio: Math.round(ratio * 100) / 100,
+                               color: style.color, cls: el.className });
+}
+return out;
+"""
+
+
+def low_contrast(driver: Any) -> list[dict[str, Any]]:
+    return driver.execute_script(CONTRAST_JS)

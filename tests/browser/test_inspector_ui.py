@@ -27,7 +27,15 @@ import httpx
 import pytest
 
 from deploy.loopback import LoopbackFixture
-from tests.browser.browser import NARROW, WIDE, artifacts_dir, chromium, console_errors, full_page_screenshot
+from tests.browser.browser import (
+    NARROW,
+    WIDE,
+    artifacts_dir,
+    chromium,
+    console_errors,
+    full_page_screenshot,
+    low_contrast,
+)
 from tests.daemon_harness import TOKEN, daemon_process
 
 pytestmark = [pytest.mark.browser, pytest.mark.cli, pytest.mark.docker]
@@ -281,6 +289,7 @@ def test_screenshots_of_each_page(host, name, size) -> None:
     with chromium(size) as driver:
         sign_in(driver, host.url, TOKEN)
         wait_ready(driver, "host")
+        assert low_contrast(driver) == []
         host_png = full_page_screenshot(driver, out / f"host-{name}.png", size[0])
         life = host.chats["lifecycle"]
         open_chat(driver, host.url, life)
@@ -291,6 +300,7 @@ def test_screenshots_of_each_page(host, name, size) -> None:
         layout = driver.execute_script(
             "return getComputedStyle(document.querySelector('.chat-layout')).gridTemplateColumns.split(' ').length")
         assert layout == (1 if name == "narrow" else 2)
+        assert low_contrast(driver) == []
         chat_png = full_page_screenshot(driver, out / f"chat-{name}.png", size[0])
         assert console_errors(driver) == []
     for png in (host_png, chat_png):

@@ -120,3 +120,28 @@ def test_the_page_renders_the_python_diagnosis_of_a_gap(browser) -> None:
     ]
     assert out["conclusion"] == "Conclusion: wire gap at message 3 (assistant): the model was not sent its history"
     assert console_errors(browser) == []
+
+
+RENDER_TREE = """
+const [members, done] = [arguments[0], arguments[arguments.length - 1]];
+import("./chat.js").then((m) => {
+  const tree = m.memberTree(members);
+  const walk = (ul) => [...ul.querySelectorAll(":scope > li")].map((li) => [li.dataset.member,
+    li.querySelector(":scope > ul") ? walk(li.querySelector(":scope > ul")) : []]);
+  done({ tree: walk(tree), badges: [...tree.querySelectorAll(".badge")].map((b) => b.textContent) });
+}).catch((e) => done({ error: String(e) }));
+"""
+
+
+def test_members_render_as_their_fork_tree(browser) -> None:
+    def member(mid: str, forked_from: str | None, status: str) -> dict[str, Any]:
+        return {"member_id": mid, "runtime": "claude", "locator": {"id": f"loc-{mid}", "path": None},
+                "settled_turns": 1, "last_status": status, "last_outcome": "succeeded", "resident": False,
+                "forked_from": forked_from, "lost_reason": None}
+
+    members = [member("m1", None, "LIVE"), member("m2", "m1", "NEW"), member("m3", "m2", "RESTORED"),
+               member("m4", "m1", "LOST"), member("solo", None, "NEW")]
+    out = browser.execute_async_script(RENDER_TREE, members)
+    assert out["tree"] == [["m1", [["m2", [["m3", []]]], ["m4", []]]], ["solo", []]]
+    assert out["badges"] == ["LIVE", "NEW", "RESTORED", "LOST", "NEW"]
+    assert console_errors(browser) == []

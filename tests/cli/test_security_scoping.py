@@ -81,6 +81,12 @@ async def test_a_second_user_can_neither_see_nor_touch_nor_recall_the_victims_ch
         fork = {"new_member_id": "stolen"}
         assert same_answer(await c_.post(f"/v1/users/{a}/chats/{c}/members/{m}/fork", json=fork),
                            await c_.post(f"/v1/users/{a}/chats/{nope}/members/{m}/fork", json=fork)) == not_found
+        # the inspector's timeline and diagnosis of the victim's chat (with the native listing)
+        assert same_answer(await c_.get(f"/v1/users/{a}/chats/{c}/turns"),
+                           await c_.get(f"/v1/users/{a}/chats/{nope}/turns")) == not_found
+        assert same_answer(await c_.get(f"/v1/users/{a}/chats/{c}/inspect", params={"native": "true"}),
+                           await c_.get(f"/v1/users/{a}/chats/{nope}/inspect", params={"native": "true"})) \
+            == not_found
         # attestation and job routes without a token and with a wrong one
         for headers in ({"authorization": ""}, {"authorization": "Bearer wrong-token-0123456789abcdef"}):
             for method, path in (("GET", "/v1/attestation"), ("GET", f"/v1/jobs/{v1['job_id']}?user_id={a}"),

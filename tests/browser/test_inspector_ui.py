@@ -262,6 +262,30 @@ def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> N
     assert console_errors(browser) == []
 
 
+def test_only_the_latest_navigation_renders(host) -> None:
+    """Leaving a page before its data arrived: the late answer must not land on the next page."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    life = host.chats["lifecycle"]
+    with chromium(WIDE) as driver:
+        sign_in(driver, host.url, TOKEN)
+        wait_ready(driver, "host")
+        open_chat(driver, host.url, life)
+        count = "return performance.getEntriesByType('resource').filter((e) => e.name.endsWith('/v1/host')).length"
+        before = driver.execute_script(count)
+        # every request takes 800 ms more: the host page is still loading when the chat is asked for
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 800,
+                                                                     "downloadThroughput": -1, "uploadThroughput": -1})
+        driver.execute_script(f"location.hash = '#/host'; setTimeout(() => "
+                              f"{{ location.hash = '#/chat/{life.user_id}/{life.chat_id}'; }}, 100);")
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script(count) > before)  # the host answer came
+        wait_ready(driver, "chat")
+        assert driver.find_elements("id", "host-title") == []
+        assert [r["badge"] for r in rows(driver)] == ["NEW", "LIVE", "RESTORED", "LOST"]
+        assert console_errors(driver) == []
+
+
 def test_a_wrong_token_shows_a_clear_message(host) -> None:
     with chromium(NARROW) as driver:
         sign_in(driver, host.url, "not-the-token")

@@ -181,6 +181,7 @@ class RecordedRequest(BaseModel):
     api: Api
     kind: Kind
     headers: dict[str, str] = Field(default_factory=dict)
+    credentials: dict[str, str] = Field(default_factory=dict)  # auth header -> fingerprint, never the value
     body: Any = None
     raw: str | None = None  # the body text when it was not JSON
     status: int = 0

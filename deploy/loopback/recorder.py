@@ -2,11 +2,14 @@
 
 Secrets never reach a record: authentication headers are dropped by name before the record is
 built (the keys the CLIs send are dummies, but a fixture pointed at by a real key must not
-keep it either).
+keep it either). What a record keeps of them is a fingerprint (``credential_fingerprints``):
+enough for a test to prove which key arrived — the model proxy's key swap — and useless to
+anyone reading the records.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 from collections.abc import Iterable
@@ -27,6 +30,22 @@ def safe_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
         if key in SECRET_HEADERS or any(p in key for p in _SECRET_PARTS):
             continue
         out[key] = f"{out[key]}, {value}" if key in out else value
+    return out
+
+
+def fingerprint(secret: str) -> str:
+    """``sha256:`` + the first 16 hex digits of the secret's sha256."""
+    return "sha256:" + hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def credential_fingerprints(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Each credential header as its fingerprint; a bearer token keeps its scheme."""
+    out: dict[str, str] = {}
+    for name, value in headers:
+        key = name.lower()
+        if key in SECRET_HEADERS or any(p in key for p in _SECRET_PARTS):
+            scheme, _, token = value.partition(" ")
+            out[key] = f"{scheme} {fingerprint(token)}" if token and scheme.lower() == "bearer" else fingerprint(value)
     return out
 
 

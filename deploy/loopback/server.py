@@ -30,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from .audit import classify
 from .behaviour import Behaviour, Plan, error_body
 from .models import Kind, RecordedRequest, Rule, Script
-from .recorder import Recorder, safe_headers
+from .recorder import Recorder, credential_fingerprints, safe_headers
 from .sse import FRAMES, JSON_BODIES
 
 log = structlog.get_logger("loopback")
@@ -141,6 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raw: str | None) -> RecordedRequest:
         rec = RecordedRequest(seq=self.server.recorder.next_seq(), time=time.time(), method=method, path=path,
                               query=query, api=api, kind=kind, headers=safe_headers(self.headers.items()),
+                              credentials=credential_fingerprints(self.headers.items()),
                               body=body, raw=raw)  # type: ignore[arg-type]
         self.server.recorder.add(rec)
         return rec

@@ -1,0 +1,316 @@
+"""One request from a sandbox: allow-list, key swap, forward, stream back, record.
+
+Upstream statuses, headers and bodies reach the sandbox unchanged (the CLIs' own retry logic
+must see the real 429/5xx/400), with three exceptions that exist for the key's sake:
+credential headers never go up, the real key is redacted wherever an upstream would echo it
+(headers, error bodies), and ``accept-encoding`` is ``identity`` upstream so the proxy can
+read what it audits. Answers are written to the sandbox chunk by chunk as they arrive: no
+buffering of SSE. A request body is read whole first (bounded by ``max_body_bytes``, each
+read under the body timeout): the audit needs all of it, and a body that turns out too large
+or stalls is answered 413/408 without ever reaching the gateway half-sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import anyio
+import h11
+import httpx
+import structlog
+
+from .audit import RequestAudit, audit_request, reply_fields
+from .http1 import BodyTimeout, BodyTooLarge, ClientConnection, ClientGone, MalformedBody
+from .keys import KeySource, KeyUnavailable, is_credential_header, key_headers
+from .metrics import ProxyMetrics
+from .records import WireRecord, WireSink
+from .reply import ReplyReader
+from .routes import Route, match, parse_target
+
+log = structlog.get_logger("proxy")
+
+TurnLookup = Callable[[str, str], "str | None"]  # (chat_key, member_key) -> running job id
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+                        "upgrade", "proxy-authenticate"})
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect", "accept-encoding"}
+REQUEST_ID_HEADERS = ("request-id", "x-request-id", "anthropic-request-id", "openai-request-id", "x-amzn-requestid")
+MAX_ERROR_BODY = 4 << 20  # error answers are buffered (to redact the key) up to this size
+INLINE_AUDIT_BYTES = 32 * 1024
+
+
+@dataclass
+class ProxyContext:
+    """What every exchange of one proxy host shares."""
+
+    upstream_url: str
+    keys: KeySource
+    client: httpx.AsyncClient
+    metrics: ProxyMetrics
+    sink: WireSink | None = None
+    turn_of: TurnLookup | None = None
+    capture: bool = False
+    _seq: int = 0
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+
+@dataclass
+class Draft:
+    """The record under construction (fields filled as the exchange goes)."""
+
+    seq: int
+    chat_key: str
+    member_key: str | None
+    method: str
+    path: str
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    t0: float = field(default_factory=time.perf_counter)
+    route: Route | None = None
+    job_id: str | None = None
+    status: int = 0
+    upstream_request_id: str | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    error: str | None = None
+    audit: RequestAudit | None = None
+    reply: ReplyReader | None = None
+
+
+def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> set[str]:
+    tokens: set[str] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            tokens |= {t.strip().lower() for t in value.decode("latin-1").split(",") if t.strip()}
+    return tokens
+
+
+def upstream_headers(headers: list[tuple[bytes, bytes]], route: Route, key: str) -> list[tuple[str, str]]:
+    """The sandbox's headers minus hop-by-hop and credentials, plus the real key."""
+    named = _connection_tokens(headers)
+    used_x_api_key = False
+    out: list[tuple[str, str]] = []
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1").lower()
+        if name == "x-api-key":
+            used_x_api_key = True
+        if name in _NOT_FORWARDED or name in named or is_credential_header(name):
+            continue
+        out.append((name, raw_value.decode("latin-1")))
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            out.append(("content-length", value.decode("latin-1")))
+            break
+    family = route.family or ("anthropic" if used_x_api_key else "openai")
+    out += list(key_headers(family, key).items())
+    out.append(("accept-encoding", "identity"))
+    return out
+
+
+def _redact(data: bytes, key: str) -> bytes:
+    return data.replace(key.encode(), b"[redacted]") if key and key.encode() in data else data
+
+
+def response_headers(resp: httpx.Response, key: str, *, body_length: int | None = None) -> list[tuple[bytes, bytes]]:
+    named = {t.strip().lower() for t in resp.headers.get("connection", "").split(",") if t.strip()}
+    out = []
+    for raw_name, raw_value in resp.headers.raw:
+        name = raw_name.lower()
+        text = name.decode("latin-1")
+        if text in HOP_BY_HOP or text in named or (body_length is not None and text == "content-length"):
+            continue
+        out.append((name, _redact(raw_value, key)))
+    if body_length is not None:
+        out.append((b"content-length", str(body_length).encode()))
+    return out
+
+
+class Exchange:
+    def __init__(self, ctx: ProxyContext, conn: ClientConnection, chat_key: str, user_id: str) -> None:
+        self.ctx, self.conn, self.chat_key, self.user_id = ctx, conn, chat_key, user_id
+
+    async def run(self, req: h11.Request) -> tuple[bool, WireRecord]:
+        """Answer ``req``; returns (keep the connection, the record)."""
+        target = parse_target(req.target.decode("ascii", "replace"))
+        d = Draft(self.ctx.next_seq(), self.chat_key, target.member_key, req.method.decode("ascii", "replace"),
+                  target.path)
+        keep = False
+        try:
+            keep = await self._run(req, target.query, d)
+        except ClientGone as exc:
+            d.error = d.error or f"client_gone: {exc}"
+            d.status = d.status or 499
+        return keep, self._record(d)
+
+    async def _deny(self, d: Draft, reason: str, message: str) -> bool:
+        self.ctx.metrics.denied.labels(reason=reason).inc()
+        d.status, d.error = 403, reason
+        d.bytes_out = await self.conn.answer(403, "forbidden", message, close=True)
+        return False
+
+    async def _reject(self, d: Draft, status: int, reason: str, message: str) -> bool:
+        self.ctx.metrics.rejected.labels(reason=reason).inc()
+        d.status, d.error = status, reason
+        if self.conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            d.bytes_out = await self.conn.answer(status, reason, message, close=True)
+        return False
+
+    async def _run(self, req: h11.Request, query: str, d: Draft) -> bool:
+        if d.member_key is None:
+            return await self._deny(d, "no_member", "requests must use the member base URL (/m/<member>/…)")
+        if self.ctx.turn_of is not None:  # looked up first: a denied request still names its turn
+            try:
+                d.job_id = self.ctx.turn_of(self.chat_key, d.member_key)
+            except Exception:
+                log.exception("proxy.turn_lookup_failed", chat_key=self.chat_key, member_key=d.member_key)
+        route = match(d.method, d.path)
+        if route is None:
+            return await self._deny(d, "not_a_model_route", f"{d.method} {d.path} is not a model route")
+        d.route = route
+        length = next((v for k, v in req.headers if k == b"content-length"), None)
+        if length is not None and int(length) > self.conn.limits.max_body_bytes:
+            return await self._reject(d, 413, "body_too_large",
+                                      f"request body larger than {self.conn.limits.max_body_bytes} bytes")
+        try:
+            key = await self.ctx.keys.key_for(self.user_id)
+        except KeyUnavailable as exc:
+            return await self._reject(d, 503, "gateway_key_unavailable", str(exc))
+        return await self._forward(req, query, route, key, d)
+
+    async def _forward(self, req: h11.Request, query: str, route: Route, key: str, d: Draft) -> bool:
+        await self.conn.continue_100()
+        body = bytearray()
+        try:
+            async for chunk in self.conn.body():
+                body += chunk
+        except BodyTooLarge as exc:
+            return await self._reject(d, 413, "body_too_large", str(exc))
+        except BodyTimeout as exc:
+            return await self._reject(d, 408, "body_timeout", str(exc))
+        except MalformedBody as exc:
+            return await self._reject(d, 400, "bad_request", str(exc))
+        d.bytes_in = len(body)
+        raw = bytes(body)
+        headers = upstream_headers(req.headers, route, key)
+        if raw and not any(name == "content-length" for name, _ in headers):
+            headers.append(("content-length", str(len(raw))))  # a chunked body goes up with its length
+        url = self.ctx.upstream_url + route.path + (f"?{query}" if query else "")
+        request = self.ctx.client.build_request(d.method, url, headers=headers, content=raw or None)
+        gone: ClientGone | None = None
+        keep = False
+        try:
+            resp = await self.ctx.client.send(request, stream=True)
+        except httpx.TimeoutException:
+            keep = await self._reject(d, 504, "upstream_timeout", "the model gateway did not answer in time")
+        except httpx.HTTPError as exc:
+            keep = await self._reject(d, 502, "upstream_unreachable",
+                                      f"the model gateway is unreachable ({exc.__class__.__name__})")
+        else:
+            try:
+                keep = await self._respond(resp, route, key, d)
+            except ClientGone as exc:
+                gone = exc
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()  # mid-stream this closes the upstream connection: the request is cancelled
+        # audited once the sandbox has its answer: off the answer's path, no GIL contention while it streams
+        with anyio.CancelScope(shield=True):
+            await self._audit(d, raw, req_header(req, b"content-encoding"), route)
+        if gone is not None:
+            raise gone
+        return keep
+
+    async def _audit(self, d: Draft, raw: bytes, encoding: str | None, route: Route) -> None:
+        def audit() -> RequestAudit:
+            return audit_request(raw, encoding, route, capture=self.ctx.capture)
+
+        # a long conversation is parsed in a worker thread; a short one costs less than the hop
+        d.audit = await anyio.to_thread.run_sync(audit) if len(raw) > INLINE_AUDIT_BYTES else audit()
+
+    async def _respond(self, resp: httpx.Response, route: Route, key: str, d: Draft) -> bool:
+        d.status = resp.status_code
+        d.upstream_request_id = next((resp.headers[h] for h in REQUEST_ID_HEADERS if h in resp.headers), None)
+        reason = resp.reason_phrase.encode("latin-1", "replace") if resp.reason_phrase else b""
+        sse = "text/event-stream" in resp.headers.get("content-type", "")
+        if resp.status_code >= 400 and not sse:
+            return await self._respond_buffered(resp, key, d, reason)
+        d.reply = ReplyReader(route.api, resp.headers.get("content-type")) if resp.status_code < 300 else None
+        await self.conn.start_response(resp.status_code, response_headers(resp, key), reason)
+        gone = False
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                nonlocal gone
+                if await self.conn.peer_closed():
+                    gone = True
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                async for chunk in resp.aiter_raw():
+                    if d.reply is not None:
+                        d.reply.feed(chunk)
+                    await self.conn.send_data(chunk)
+                    d.bytes_out += len(chunk)
+                await self.conn.end_response()
+            except (httpx.HTTPError, h11.LocalProtocolError) as exc:
+                # the upstream broke off mid-body: end the sandbox's stream the same way
+                self.ctx.metrics.rejected.labels(reason="upstream_broke_off").inc()
+                d.error, d.reply = f"upstream_broke_off: {exc.__class__.__name__}", None
+                tg.cancel_scope.cancel()
+                return False
+            tg.cancel_scope.cancel()
+        if gone:
+            raise ClientGone("closed the connection while the answer streamed")
+        return self.conn.reusable()
+
+    async def _respond_buffered(self, resp: httpx.Response, key: str, d: Draft, reason: bytes) -> bool:
+        data = bytearray()
+        try:
+            async for chunk in resp.aiter_raw():
+                data += chunk
+                if len(data) > MAX_ERROR_BODY:
+                    raise httpx.ReadError("error body too large")
+        except httpx.HTTPError as exc:
+            self.ctx.metrics.rejected.labels(reason="upstream_broke_off").inc()
+            d.error = f"upstream_broke_off: {exc.__class__.__name__}"
+            return False
+        body = _redact(bytes(data), key)
+        await self.conn.start_response(resp.status_code, response_headers(resp, key, body_length=len(body)), reason)
+        await self.conn.send_data(body)
+        await self.conn.end_response()
+        d.bytes_out = len(body)
+        return self.conn.reusable()
+
+    # ---------------------------------------------------------------- record
+
+    def _record(self, d: Draft) -> WireRecord:
+        route = d.route
+        audit = d.audit
+        kind = audit.kind if audit is not None else (route.kind if route and route.kind else "other")
+        reply, reply_capture = reply_fields(d.reply.result() if d.reply is not None else None, capture=self.ctx.capture)
+        rec = WireRecord(
+            seq=d.seq, chat_key=d.chat_key, member_key=d.member_key, job_id=d.job_id, started_at=d.started_at,
+            duration_ms=round((time.perf_counter() - d.t0) * 1000, 3), method=d.method, path=d.path,
+            route=route.name if route else None, api=route.api if route else None,
+            kind=kind, side=kind != "conversation", status=d.status or 499,
+            upstream_request_id=d.upstream_request_id, bytes_in=d.bytes_in, bytes_out=d.bytes_out, error=d.error,
+            digest=audit.digest if audit else None, digest_error=audit.digest_error if audit else None,
+            reply=reply if kind == "conversation" else None, capture=audit.capture if audit else None,
+            reply_capture=reply_capture if kind == "conversation" else None)
+        m = self.ctx.metrics
+        m.requests.labels(route=rec.route or "denied", status=str(rec.status)).inc()
+        m.bytes.labels(direction="in").inc(rec.bytes_in)
+        m.bytes.labels(direction="out").inc(rec.bytes_out)
+        return rec
+
+
+def req_header(req: h11.Request, name: bytes) -> str | None:
+    for k, v in req.headers:
+        if k == name:
+            return v.decode("latin-1")
+    return None

@@ -1,0 +1,24 @@
+"""The proxy's Prometheus metrics, on a registry the daemon exposes with its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("cloud_agent_proxy_requests", "Requests answered by the model proxy",
+                                ["route", "status"], registry=self.registry)
+        self.denied = Counter("cloud_agent_proxy_denied", "Requests refused by the allow-list (403)",
+                              ["reason"], registry=self.registry)
+        self.rejected = Counter("cloud_agent_proxy_rejected",
+                                "Requests the proxy answered itself or broke off (bad input, upstream errors)",
+                                ["reason"], registry=self.registry)
+        self.bytes = Counter("cloud_agent_proxy_body_bytes", "Body bytes through the proxy",
+                             ["direction"], registry=self.registry)
+        self.verdicts = Counter("cloud_agent_wire_verdicts", "Wire verdicts of settled turns",
+                                ["runtime", "history"], registry=self.registry)
+
+    def observe_verdict(self, runtime: str, history: str) -> None:
+        self.verdicts.labels(runtime=runtime, history=history).inc()

@@ -1,0 +1,88 @@
+"""The wire audit's records: one ``WireRecord`` per request through the proxy (SPEC 12).
+
+Records hold digests only. Message texts are kept only when the operator turns capture on
+(``CLOUD_AGENT_WIRE_CAPTURE=1``); the store applies ``CLOUD_AGENT_WIRE_CAPTURE_DAYS``. No
+header value is ever recorded, so the real key cannot reach a record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .classify import Kind
+from .digest import TextMessage
+
+ApiShape = Literal["anthropic", "responses", "chat"]
+
+
+class DigestEntry(BaseModel):
+    """One user/assistant text message of a request, as its role and the sha256 of its text."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Literal["user", "assistant"]
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @classmethod
+    def of(cls, message: TextMessage) -> DigestEntry:
+        return cls(role=message.role, sha256=message.sha256)
+
+    @classmethod
+    def text(cls, role: Literal["user", "assistant"], text: str) -> DigestEntry:
+        return cls.of(TextMessage(role, text))
+
+
+def digest_of(messages: Iterable[TextMessage]) -> list[DigestEntry]:
+    return [DigestEntry.of(m) for m in messages]
+
+
+class CapturedMessage(BaseModel):
+    """A message text, kept only with capture on."""
+
+    role: Literal["user", "assistant"]
+    text: str
+
+
+class WireRecord(BaseModel):
+    """One request a sandbox sent through the model proxy, and what became of it."""
+
+    model_config = ConfigDict(json_schema_extra={"title": "WireRecord"})
+
+    seq: int = Field(description="arrival order within this proxy process")
+    chat_key: str = Field(description="the sandbox whose socket accepted the connection")
+    member_key: str | None = Field(description="from the /m/<member key> path prefix")
+    job_id: str | None = Field(description="the member's running turn when the request arrived")
+    started_at: datetime
+    duration_ms: float
+    method: str
+    path: str = Field(description="the path forwarded upstream (member prefix stripped, no query)")
+    route: str | None = Field(description="the allow-list entry that matched; None when denied")
+    api: ApiShape | None = Field(description="the API shape of the route")
+    kind: Kind
+    side: bool = Field(description="a side request (preconnect, title, summary, subagent, models, count-tokens)")
+    status: int = Field(description="the status the sandbox got (the upstream's, unchanged, when forwarded)")
+    upstream_request_id: str | None = None
+    bytes_in: int = Field(description="request body bytes received from the sandbox")
+    bytes_out: int = Field(description="response body bytes sent to the sandbox")
+    error: str | None = Field(default=None, description="why the proxy answered itself or the exchange broke off")
+    digest: list[DigestEntry] | None = Field(default=None, description="conversation digest; None if unreadable")
+    digest_error: str | None = None
+    reply: list[DigestEntry] | None = Field(default=None, description="assistant text the response carried")
+    capture: list[CapturedMessage] | None = Field(default=None, description="request texts (capture on only)")
+    reply_capture: list[CapturedMessage] | None = None
+
+    @property
+    def conversational(self) -> bool:
+        return self.route is not None and not self.side
+
+
+class WireSink(Protocol):
+    """Where records go (the store in production). Must not raise for a valid record;
+    the proxy logs and drops a record whose sink fails, the answer to the sandbox is unaffected."""
+
+    async def put(self, record: WireRecord) -> None: ...
+

@@ -1,0 +1,1 @@
+"""Test-only support code (never imported by the product)."""

@@ -1,0 +1,142 @@
+"""ca-modelgate (images/sandbox/helpers/), run as a process on the host against a real unix
+socket: byte-for-byte both ways, half-close, many connections at once, a socket that is absent
+for a while, and the bounded wait when it never comes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+GATE = Path(__file__).resolve().parents[2] / "images" / "sandbox" / "helpers" / "ca-modelgate"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EchoServer:
+    """A unix socket server that echoes each connection and half-closes after the peer's EOF."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(str(path))
+        self.sock.listen(128)
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+            conn.sendall(b"<eof seen>")
+            conn.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[tuple[int, Path, subprocess.Popen]]:
+    port, path = free_port(), tmp_path / "model.sock"
+    proc = subprocess.Popen([sys.executable, str(GATE), "--socket", str(path), "--listen", f"127.0.0.1:{port}",
+                             "--connect-timeout", "3"], stderr=subprocess.PIPE, text=True)
+    assert "modelgate.listening" in proc.stderr.readline()  # type: ignore[union-attr]
+    yield port, path, proc
+    proc.terminate()
+    assert proc.wait(10) == 0  # SIGTERM is a clean exit
+
+
+def exchange(port: int, payload: bytes, *, timeout: float = 20) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        threading.Thread(target=lambda: (s.sendall(payload), s.shutdown(socket.SHUT_WR)), daemon=True).start()
+        out = bytearray()
+        while chunk := s.recv(65536):
+            out += chunk
+        return bytes(out)
+
+
+def test_bytes_both_ways_and_half_close(gate: tuple[int, Path, subprocess.Popen]) -> None:
+    port, path, _ = gate
+    server = EchoServer(path)
+    try:
+        payload = os.urandom(3 << 20) + bytes(range(256))  # not text, larger than any buffer
+        assert exchange(port, payload) == payload + b"<eof seen>"
+        # the echo server only answers "<eof seen>" after our half-close reached it, and we could
+        # still read after closing our side
+    finally:
+        server.close()
+
+
+def test_many_connections_at_once(gate: tuple[int, Path, subprocess.Popen]) -> None:
+    port, path, _ = gate
+    server = EchoServer(path)
+    results: dict[int, bytes] = {}
+    payloads = {i: os.urandom(64 * 1024) + str(i).encode() for i in range(40)}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, exchange(port, payloads[i])))
+               for i in payloads]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        server.close()
+    assert {i: r == payloads[i] + b"<eof seen>" for i, r in results.items()} == {i: True for i in payloads}
+    assert server.accepted == 40
+
+
+def test_a_connection_waits_for_a_socket_that_comes_late(gate: tuple[int, Path, subprocess.Popen]) -> None:
+    port, path, _ = gate
+    result: list[bytes] = []
+    client = threading.Thread(target=lambda: result.append(exchange(port, b"early request")))
+    client.start()
+    time.sleep(0.5)  # the daemon is restarting: nothing listens yet
+    assert result == [] and client.is_alive()
+    server = EchoServer(path)
+    try:
+        client.join(10)
+    finally:
+        server.close()
+    assert result == [b"early request<eof seen>"]
+
+
+def test_the_wait_is_bounded_then_the_connection_is_reset(gate: tuple[int, Path, subprocess.Popen]) -> None:
+    port, path, proc = gate
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(b"nobody will answer")
+        with pytest.raises(ConnectionResetError):
+            while s.recv(100):
+                pass
+    proc.terminate()
+    proc.wait(10)
+    notes = [json.loads(line) for line in proc.stderr.read().splitlines()]  # type: ignore[union-attr]
+    assert notes == [{"event": "modelgate.unreachable", "socket": str(path), "error": "FileNotFoundError",
+                      "waited_s": 3.0}]
+
+
+def test_listen_address_must_be_loopback(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(GATE), "--socket", str(tmp_path / "s"), "--listen", "0.0.0.0:18080"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--listen must be a loopback address" in out.stderr

@@ -19,7 +19,6 @@ from datetime import UTC, datetime
 
 import anyio
 import h11
-import httpx
 import structlog
 
 from .audit import RequestAudit, audit_request, reply_fields
@@ -29,6 +28,7 @@ from .metrics import ProxyMetrics
 from .records import WireRecord, WireSink
 from .reply import ReplyReader
 from .routes import Route, match, parse_target
+from .upstream import Upstream, UpstreamBrokeOff, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 log = structlog.get_logger("proxy")
 
@@ -37,7 +37,8 @@ TurnLookup = Callable[[str, str], "str | None"]  # (chat_key, member_key) -> run
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                         "upgrade", "proxy-authenticate"})
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect", "accept-encoding"}
-REQUEST_ID_HEADERS = ("request-id", "x-request-id", "anthropic-request-id", "openai-request-id", "x-amzn-requestid")
+REQUEST_ID_HEADERS = (b"request-id", b"x-request-id", b"anthropic-request-id", b"openai-request-id",
+                      b"x-amzn-requestid")
 MAX_ERROR_BODY = 4 << 20  # error answers are buffered (to redact the key) up to this size
 INLINE_AUDIT_BYTES = 32 * 1024
 
@@ -46,9 +47,8 @@ INLINE_AUDIT_BYTES = 32 * 1024
 class ProxyContext:
     """What every exchange of one proxy host shares."""
 
-    upstream_url: str
+    upstream: Upstream
     keys: KeySource
-    client: httpx.AsyncClient
     metrics: ProxyMetrics
     sink: WireSink | None = None
     turn_of: TurnLookup | None = None
@@ -116,10 +116,12 @@ def _redact(data: bytes, key: str) -> bytes:
     return data.replace(key.encode(), b"[redacted]") if key and key.encode() in data else data
 
 
-def response_headers(resp: httpx.Response, key: str, *, body_length: int | None = None) -> list[tuple[bytes, bytes]]:
-    named = {t.strip().lower() for t in resp.headers.get("connection", "").split(",") if t.strip()}
+def response_headers(headers: list[tuple[bytes, bytes]], key: str, *,
+                     body_length: int | None = None) -> list[tuple[bytes, bytes]]:
+    """The upstream's headers minus hop-by-hop (h11 frames the sandbox's copy), key redacted."""
+    named = _connection_tokens(headers)
     out = []
-    for raw_name, raw_value in resp.headers.raw:
+    for raw_name, raw_value in headers:
         name = raw_name.lower()
         text = name.decode("latin-1")
         if text in HOP_BY_HOP or text in named or (body_length is not None and text == "content-length"):
@@ -199,17 +201,14 @@ class Exchange:
         headers = upstream_headers(req.headers, route, key)
         if raw and not any(name == "content-length" for name, _ in headers):
             headers.append(("content-length", str(len(raw))))  # a chunked body goes up with its length
-        url = self.ctx.upstream_url + route.path + (f"?{query}" if query else "")
-        request = self.ctx.client.build_request(d.method, url, headers=headers, content=raw or None)
+        target = route.path + (f"?{query}" if query else "")
         gone: ClientGone | None = None
         keep = False
         try:
-            resp = await self.ctx.client.send(request, stream=True)
-        except httpx.TimeoutException:
-            keep = await self._reject(d, 504, "upstream_timeout", "the model gateway did not answer in time")
-        except httpx.HTTPError as exc:
-            keep = await self._reject(d, 502, "upstream_unreachable",
-                                      f"the model gateway is unreachable ({exc.__class__.__name__})")
+            resp = await self.ctx.upstream.send(d.method, target, headers, raw)
+        except UpstreamError as exc:
+            status = 504 if isinstance(exc, UpstreamTimeout) else 502
+            keep = await self._reject(d, status, exc.reason, str(exc))
         else:
             try:
                 keep = await self._respond(resp, route, key, d)
@@ -232,15 +231,14 @@ class Exchange:
         # a long conversation is parsed in a worker thread; a short one costs less than the hop
         d.audit = await anyio.to_thread.run_sync(audit) if len(raw) > INLINE_AUDIT_BYTES else audit()
 
-    async def _respond(self, resp: httpx.Response, route: Route, key: str, d: Draft) -> bool:
-        d.status = resp.status_code
-        d.upstream_request_id = next((resp.headers[h] for h in REQUEST_ID_HEADERS if h in resp.headers), None)
-        reason = resp.reason_phrase.encode("latin-1", "replace") if resp.reason_phrase else b""
-        sse = "text/event-stream" in resp.headers.get("content-type", "")
-        if resp.status_code >= 400 and not sse:
-            return await self._respond_buffered(resp, key, d, reason)
-        d.reply = ReplyReader(route.api, resp.headers.get("content-type")) if resp.status_code < 300 else None
-        await self.conn.start_response(resp.status_code, response_headers(resp, key), reason)
+    async def _respond(self, resp: UpstreamResponse, route: Route, key: str, d: Draft) -> bool:
+        d.status = resp.status
+        d.upstream_request_id = next((v for h in REQUEST_ID_HEADERS if (v := resp.header(h)) is not None), None)
+        content_type = resp.header(b"content-type") or ""
+        if resp.status >= 400 and "text/event-stream" not in content_type:
+            return await self._respond_buffered(resp, key, d)
+        d.reply = ReplyReader(route.api, content_type) if resp.status < 300 else None
+        await self.conn.start_response(resp.status, response_headers(resp.headers, key), resp.reason)
         gone = False
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
@@ -251,13 +249,13 @@ class Exchange:
 
             tg.start_soon(watch)
             try:
-                async for chunk in resp.aiter_raw():
+                while (chunk := await resp.next_chunk()) is not None:
                     if d.reply is not None:
                         d.reply.feed(chunk)
                     await self.conn.send_data(chunk)
                     d.bytes_out += len(chunk)
                 await self.conn.end_response()
-            except (httpx.HTTPError, h11.LocalProtocolError) as exc:
+            except (UpstreamError, h11.LocalProtocolError) as exc:
                 # the upstream broke off mid-body: end the sandbox's stream the same way
                 self.ctx.metrics.rejected.labels(reason="upstream_broke_off").inc()
                 d.error, d.reply = f"upstream_broke_off: {exc.__class__.__name__}", None
@@ -268,19 +266,20 @@ class Exchange:
             raise ClientGone("closed the connection while the answer streamed")
         return self.conn.reusable()
 
-    async def _respond_buffered(self, resp: httpx.Response, key: str, d: Draft, reason: bytes) -> bool:
+    async def _respond_buffered(self, resp: UpstreamResponse, key: str, d: Draft) -> bool:
         data = bytearray()
         try:
-            async for chunk in resp.aiter_raw():
+            while (chunk := await resp.next_chunk()) is not None:
                 data += chunk
                 if len(data) > MAX_ERROR_BODY:
-                    raise httpx.ReadError("error body too large")
-        except httpx.HTTPError as exc:
+                    raise UpstreamBrokeOff(f"error body larger than {MAX_ERROR_BODY} bytes")
+        except UpstreamError as exc:
             self.ctx.metrics.rejected.labels(reason="upstream_broke_off").inc()
             d.error = f"upstream_broke_off: {exc.__class__.__name__}"
             return False
         body = _redact(bytes(data), key)
-        await self.conn.start_response(resp.status_code, response_headers(resp, key, body_length=len(body)), reason)
+        await self.conn.start_response(resp.status, response_headers(resp.headers, key, body_length=len(body)),
+                                       resp.reason)
         await self.conn.send_data(body)
         await self.conn.end_response()
         d.bytes_out = len(body)

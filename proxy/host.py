@@ -22,7 +22,6 @@ from pathlib import Path
 from types import TracebackType
 
 import anyio
-import httpx
 import structlog
 from anyio.abc import TaskGroup
 
@@ -33,6 +32,7 @@ from .keys import KeySource
 from .metrics import ProxyMetrics
 from .records import WireRecord, WireSink
 from .sockets import SocketStream, UnixListener
+from .upstream import Connector, Timeouts, Upstream
 
 log = structlog.get_logger("proxy")
 
@@ -66,29 +66,26 @@ class _Sandbox:
 class ProxyHost:
     def __init__(self, config: ProxyConfig, *, sink: WireSink | None = None, turn_of: TurnLookup | None = None,
                  keys: KeySource | None = None, metrics: ProxyMetrics | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 connector: Connector | None = None) -> None:
         self.config = config
         self.metrics = metrics or ProxyMetrics()
         self._keys = keys or config.key_source()
-        self._sink, self._turn_of, self._transport = sink, turn_of, transport
+        self._sink, self._turn_of, self._connector = sink, turn_of, connector
         self._sandboxes: dict[str, _Sandbox] = {}
         self._tg: TaskGroup | None = None
         self._ctx: ProxyContext | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._upstream: Upstream | None = None
         self._opening = anyio.Lock()  # one open/close at a time: two binds of one path must not race
 
     # ---------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> ProxyHost:
         cfg = self.config
-        transport = self._transport or httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=60))
-        self._client = httpx.AsyncClient(
-            transport=transport, trust_env=False, follow_redirects=False,
-            timeout=httpx.Timeout(connect=cfg.upstream_connect_timeout_s, read=cfg.upstream_read_timeout_s,
-                                  write=cfg.upstream_write_timeout_s, pool=cfg.upstream_connect_timeout_s))
-        self._ctx = ProxyContext(upstream_url=cfg.upstream_url.rstrip("/"), keys=self._keys, client=self._client,
-                                 metrics=self.metrics, sink=self._sink, turn_of=self._turn_of, capture=cfg.capture)
+        self._upstream = Upstream(cfg.upstream_url, connector=self._connector, timeouts=Timeouts(
+            connect_s=cfg.upstream_connect_timeout_s, read_s=cfg.upstream_read_timeout_s,
+            write_s=cfg.upstream_write_timeout_s))
+        self._ctx = ProxyContext(upstream=self._upstream, keys=self._keys, metrics=self.metrics, sink=self._sink,
+                                 turn_of=self._turn_of, capture=cfg.capture)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         return self
@@ -98,10 +95,10 @@ class ProxyHost:
         with anyio.CancelScope(shield=True):
             for chat_key in list(self._sandboxes):
                 await self.close_sandbox(chat_key)
-        assert self._tg is not None and self._client is not None
+        assert self._tg is not None and self._upstream is not None
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(exc_type, exc, tb)
-        await self._client.aclose()
+        await self._upstream.aclose()
         self._tg = None
 
     # ---------------------------------------------------------------- sandboxes

@@ -17,6 +17,8 @@ from typing import Any
 from .digest import TextMessage, text_messages
 
 MAX_JSON_BODY = 16 << 20  # a non-streamed reply larger than this is not digested
+_WANTED = {"anthropic": (b'"content_block_start"', b'"content_block_delta"'),
+           "responses": (b'"response.output_item.done"', b'"response.completed"')}
 
 
 class ReplyReader:
@@ -33,6 +35,8 @@ class ReplyReader:
         self._completed: list[dict[str, Any]] | None = None  # responses response.completed output
         self._chat: list[str] = []
         self.broken = False
+        # events worth parsing (a substring test is much cheaper than json.loads of every frame)
+        self._wanted = _WANTED.get(api or "")
 
     def feed(self, chunk: bytes) -> None:
         if self.broken or self.api is None:
@@ -61,7 +65,7 @@ class ReplyReader:
             del self._buf[:end + 1]
             if line.startswith(b"data:"):
                 data = line[5:].lstrip(b" ")
-                if data and data != b"[DONE]":
+                if data and data != b"[DONE]" and (self._wanted is None or any(w in data for w in self._wanted)):
                     self._event(json.loads(data))
 
     def _event(self, ev: Any) -> None:

@@ -14,11 +14,13 @@ machine load:
 * ``gate``    — client → ca-modelgate (TCP, run on the host) → unix socket → proxy → fixture,
   the whole sealed path minus the container;
 * ``--container``: the same ``gate`` path measured by a client *inside* a network-none
-  container of the pinned image (ca-modelgate as its command), printed alongside.
+  container of the pinned image (ca-modelgate as its command), after the interleaved run
+  (not interleaved: compare it with care on a loaded machine).
 
 Every path uses the same stdlib ``http.client`` (inside the container too). Per path: p50/p99
-of the time to the first byte and to the last byte, and the p50 added over ``direct`` (the
-issue's goal: ≤ 2 ms at p50).
+of the time to the first byte and to the last byte, the p50 added over ``direct`` (the
+issue's goal: ≤ 2 ms at p50), and the proxy process's CPU time per request (from /proc: less
+sensitive to other load on the machine than wall time).
 """
 
 from __future__ import annotations
@@ -118,6 +120,12 @@ def once(conn: http.client.HTTPConnection, target: str, body: bytes) -> tuple[fl
     return (first - t0) * 1000, (end - t0) * 1000
 
 
+def cpu_ms(pid: int) -> float:
+    """User + system CPU time a process has used so far (ms)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], p: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1] if len(values) > 1 else values[0]
 
@@ -151,11 +159,17 @@ def in_container(image: str, socket_dir: str, n: int, path: str, body: bytes) ->
                         image, "ca-modelgate", "--socket", "/run/cloud-agent/model/model.sock"],
                        check=True, capture_output=True)
         try:
+            logs = subprocess.Popen(["docker", "logs", "-f", name], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+            assert "modelgate.listening" in logs.stderr.readline()  # type: ignore[union-attr]
+            logs.kill()
             out = subprocess.run(["docker", "exec", name, "python3", "/bench/client.py", MEMBER + path, str(n),
-                                  "/bench/body.json"], check=True, capture_output=True, text=True).stdout
+                                  "/bench/body.json"], capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"client in the container failed: {out.stderr[-2000:]}")
         finally:
             subprocess.run(["docker", "rm", "-f", name], capture_output=True)
-    return [tuple(x) for x in json.loads(out)]
+    return [tuple(x) for x in json.loads(out.stdout)]
 
 
 def main() -> None:
@@ -198,11 +212,15 @@ def main() -> None:
               f" {'+p50 vs direct':>15}")
         for label, (path, body) in bodies().items():
             times: dict[str, list[tuple[float, float]]] = {k: [] for k in clients}
+            cpu0, fx0, gate0 = cpu_ms(proxy.pid), cpu_ms(fixture.pid), cpu_ms(gate.pid)
             for i in range(args.n + 20):
                 for name, (client, base) in clients.items():
                     t = once(client, base + path, body)
                     if i >= 20:
                         times[name].append(t)
+            proxy_cpu = (cpu_ms(proxy.pid) - cpu0) / (2 * (args.n + 20))  # the proxy and gate paths
+            fixture_cpu = (cpu_ms(fixture.pid) - fx0) / (3 * (args.n + 20))  # every path ends there
+            gate_cpu = (cpu_ms(gate.pid) - gate0) / (args.n + 20)
             if args.container:
                 from images.build import ensure_image
 
@@ -214,6 +232,8 @@ def main() -> None:
                 print(f"{label:<12} {name:<10} {statistics.median(first):>9.3f} {pct(first, 99):>9.3f} "
                       f"{statistics.median(total):>10.3f} {pct(total, 99):>10.3f} "
                       f"{'' if name == 'direct' else f'{added:+.3f}':>15}")
+            print(f"{label:<12} CPU per request (ms): proxy {proxy_cpu:.3f}, ca-modelgate {gate_cpu:.3f}, "
+                  f"fixture {fixture_cpu:.3f}")
         for client, _ in clients.values():
             client.close()
     finally:

@@ -47,9 +47,9 @@ def key_file(directory: Path, key: str = REAL_KEY) -> Path:
 
 @asynccontextmanager
 async def running_proxy(upstream_url: str, directory: Path, *, sink: ListSink | None = None, jobs: Jobs | None = None,
-                        transport: httpx.AsyncBaseTransport | None = None, **config: Any) -> AsyncIterator[ProxyHost]:
+                        **config: Any) -> AsyncIterator[ProxyHost]:
     cfg = ProxyConfig(upstream_url=upstream_url, key_file=key_file(directory), **config)
-    async with ProxyHost(cfg, sink=sink, turn_of=jobs, transport=transport) as host:
+    async with ProxyHost(cfg, sink=sink, turn_of=jobs) as host:
         yield host
 
 

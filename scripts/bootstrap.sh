@@ -39,7 +39,22 @@ ensure_browser() {
     chromium chromium-driver fonts-dejavu-core
 }
 
+ensure_postgres() {  # the PostgreSQL server the store tests start their own clusters from
+  if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then return 0; fi
+  [ "$(id -u)" = 0 ] || { echo "not root: cannot apt-get install postgresql" >&2; return 1; }
+  DEBIAN_FRONTEND=noninteractive apt-get update -q || return 1
+  # policy-rc.d 101: the package must not start its own cluster (the tests start theirs)
+  local rc=/usr/sbin/policy-rc.d had_rc=0
+  [ -e "$rc" ] && had_rc=1
+  [ $had_rc = 1 ] || printf '#!/bin/sh\nexit 101\n' >"$rc" && chmod +x "$rc"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql
+  local status=$?
+  [ $had_rc = 1 ] || rm -f "$rc"
+  [ $status = 0 ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1
+}
+
 ensure_uv
+timed "postgresql (apt)" ensure_postgres
 timed "python deps (uv sync)" "$UV" sync --frozen --quiet
 timed "docker engine" "$UV" run --frozen python -m deploy.engine
 timed "sandbox image" "$UV" run --frozen python -m images.build

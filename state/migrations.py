@@ -1,6 +1,9 @@
-"""Versioned schema migrations of the SQLite store (``PRAGMA user_version`` counts them).
+"""Versioned schema migrations of the store, one list for both backends.
 
-A migration is appended, never edited: a store on disk records how many it has applied.
+SQLite counts them in ``PRAGMA user_version``; PostgreSQL in its ``schema_version`` table
+(``state.postgres``). A migration is appended, never edited: a store records how many it has
+applied. Write portable SQL (the subset both dialects accept: TEXT, INTEGER, BIGINT, plain
+CREATE/ALTER/INSERT ... SELECT): the same list migrates both.
 """
 
 from __future__ import annotations
@@ -57,6 +60,23 @@ MIGRATIONS: list[str] = [
     DROP TABLE jobs;
     ALTER TABLE jobs_v4 RENAME TO jobs;
     CREATE INDEX jobs_by_chat ON jobs (user_id, chat_id, finished_at);
+    """,
+    # 5: a fleet (SPEC 16) — hosts with a heartbeat lease whose epoch is the fencing token;
+    # each chat placed on one host epoch; each job records the host epoch that claimed it
+    """
+    CREATE TABLE hosts (
+        host_id TEXT PRIMARY KEY, api_url TEXT NOT NULL, capacity INTEGER NOT NULL,
+        epoch BIGINT NOT NULL, state TEXT NOT NULL, lease_until_ms BIGINT NOT NULL,
+        registered_at TEXT NOT NULL, renewed_at TEXT NOT NULL
+    );
+    CREATE TABLE placements (
+        user_id TEXT NOT NULL, chat_id TEXT NOT NULL, host_id TEXT NOT NULL, host_epoch BIGINT NOT NULL,
+        placed_at TEXT NOT NULL,
+        PRIMARY KEY (user_id, chat_id)
+    );
+    CREATE INDEX placements_by_host ON placements (host_id, host_epoch);
+    ALTER TABLE jobs ADD COLUMN host_id TEXT;
+    ALTER TABLE jobs ADD COLUMN host_epoch BIGINT;
     """,
 ]
 

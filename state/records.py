@@ -86,3 +86,5 @@ class JobRecord(BaseModel):
     receipt_json: str | None = None
     created_at: datetime
     finished_at: datetime | None = None
+    host_id: str | None = None  # the host that claimed it (None: before fleets, or unbound)
+    host_epoch: int | None = None  # that host's lease epoch at the claim

@@ -1,13 +1,11 @@
 """The durable store: SQLite in WAL mode under CLOUD_AGENT_HOME (migrations: state.migrations).
 
-Invariants kept here rather than trusted to callers:
-* the job fence — a job id is claimed once; a repeat sees the first one's state;
-* a member's durable locator changes only inside :meth:`Store.finish_job`, in the same
-  transaction that records the job's receipt, and only for a :class:`VerifiedTurn`.
-SQLite's atomic commit means a ``kill -9`` at any point leaves the whole turn or none.
+The embedded default implementation of :class:`state.contract.StoreContract` (the
+invariants are listed there; ``state.postgres`` is the fleet's implementation). SQLite's
+atomic commit means a ``kill -9`` at any point leaves the whole turn or none.
 
 All calls run on one connection in a worker thread (one at a time), so the event loop
-never blocks on disk.
+never blocks on disk; ``BEGIN IMMEDIATE`` serialises every writing transaction.
 """
 
 from __future__ import annotations
@@ -15,14 +13,21 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
+from state.contract import (
+    Claim,
+    Fenced,
+    HostLease,
+    MemberOutcome,
+    VerifiedTurn,
+    now,
+)
 from state.migrations import migrate
+from state.sqlite_fleet import NOW_MS, SQLiteFleet
 from state.records import (
     JobRecord,
     PendingFork,
@@ -35,35 +40,9 @@ from state.records import (
 
 T = TypeVar("T")
 
+__all__ = ["Claim", "MemberOutcome", "Store", "VerifiedTurn", "now"]
 
-def now() -> datetime:
-    return datetime.now(UTC)
-
-
-@dataclass(frozen=True)
-class VerifiedTurn:
-    """A settled turn whose observed locator equalled the expected one (or a NEW one).
-
-    Only this moves a member's durable locator.
-    """
-
-    locator: SavedLocator
-
-
-@dataclass(frozen=True)
-class MemberOutcome:
-    last_status: str
-    last_outcome: str
-    verified: VerifiedTurn | None = None  # None: failed / refused / not settled — locator untouched
-
-
-@dataclass(frozen=True)
-class Claim:
-    kind: Literal["claimed", "done", "running", "conflict"]
-    job: JobRecord | None = None
-
-
-class Store:
+class Store(SQLiteFleet):
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,6 +50,7 @@ class Store:
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(1)
+        self._lease: HostLease | None = None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a committed turn survives power loss too
@@ -104,6 +84,25 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    async def open(self) -> None:
+        """Nothing to do: the file is opened and migrated by the constructor."""
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def bind_lease(self, lease: HostLease | None) -> None:
+        """Claims and commits from now on require this lease to be live (the host fence)."""
+        self._lease = lease
+
+    def _check_lease(self, db: sqlite3.Connection) -> None:
+        lease = self._lease
+        if lease is None:
+            return
+        row = db.execute(f"SELECT 1 FROM hosts WHERE host_id=? AND epoch=? AND state='live' AND lease_until_ms > {NOW_MS}",
+                         (lease.host_id, lease.epoch)).fetchone()
+        if row is None:
+            raise Fenced(f"host {lease.host_id} epoch {lease.epoch}: lease expired or superseded")
 
     # -- sandboxes --------------------------------------------------------------------------
 
@@ -252,6 +251,8 @@ class Store:
         Job ids are scoped by user: the same id from another user is a different job.
         """
 
+        lease = self._lease
+
         def q(db: sqlite3.Connection) -> Claim:
             row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
             if row is not None:
@@ -259,10 +260,12 @@ class Store:
                 if job.body_digest != body_digest:
                     return Claim("conflict", job)
                 return Claim("done" if job.state == JobState.DONE else "running", job)
+            self._check_lease(db)
             db.execute(
-                "INSERT INTO jobs (job_id, user_id, chat_id, member_id, body_digest, state, owner, created_at)"
-                " VALUES (?,?,?,?,?,?,?,?)",
-                (job_id, user_id, chat_id, member_id, body_digest, JobState.RUNNING.value, owner, now().isoformat()),
+                "INSERT INTO jobs (job_id, user_id, chat_id, member_id, body_digest, state, owner, created_at,"
+                " host_id, host_epoch) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (job_id, user_id, chat_id, member_id, body_digest, JobState.RUNNING.value, owner, now().isoformat(),
+                 lease.host_id if lease else None, lease.epoch if lease else None),
             )
             row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
             return Claim("claimed", self._job(row))
@@ -289,7 +292,9 @@ class Store:
                 raise KeyError(job_id)
             job = self._job(row)
             if job.state == JobState.DONE:
+                self._check_lease(db)  # closed by another host because this one is fenced
                 raise RuntimeError(f"job {job_id} already committed")  # never commit twice
+            self._check_lease(db)  # a host that lost its lease never commits late
             ts = now().isoformat()
             db.execute("UPDATE jobs SET state=?, receipt_json=?, finished_at=? WHERE user_id=? AND job_id=?",
                        (JobState.DONE.value, receipt_json, ts, user_id, job_id))
@@ -312,12 +317,34 @@ class Store:
 
         await self._run(lambda db: self._tx(db, q))
 
-    async def running_jobs(self, *, not_owner: str | None = None) -> list[JobRecord]:
+    async def running_jobs(self, *, not_owner: str | None = None, host_id: str | None = None) -> list[JobRecord]:
+        """Running jobs; ``host_id``: only those that host claimed (or unbound ones)."""
+
         def q(db: sqlite3.Connection) -> list[JobRecord]:
             rows = db.execute("SELECT * FROM jobs WHERE state=?", (JobState.RUNNING.value,)).fetchall()
-            return [self._job(r) for r in rows if not_owner is None or r["owner"] != not_owner]
+            return [self._job(r) for r in rows if (not_owner is None or r["owner"] != not_owner)
+                    and (host_id is None or r["host_id"] in (None, host_id))]
 
         return await self._run(q)
+
+    async def close_orphaned_job(self, user_id: str, job_id: str, receipt_json: str) -> bool:
+        """Close a running job whose host epoch is no longer live (fencing that host first)."""
+
+        def q(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT host_id, host_epoch FROM jobs WHERE user_id=? AND job_id=? AND state=?",
+                             (user_id, job_id, JobState.RUNNING.value)).fetchone()
+            if row is None or row["host_id"] is None:
+                return False
+            db.execute(f"UPDATE hosts SET state='fenced' WHERE host_id=? AND epoch=? AND state='live'"
+                       f" AND lease_until_ms <= {NOW_MS}", (row["host_id"], row["host_epoch"]))
+            cur = db.execute(
+                "UPDATE jobs SET state=?, receipt_json=?, finished_at=? WHERE user_id=? AND job_id=? AND state=?"
+                " AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.host_id=jobs.host_id AND h.epoch=jobs.host_epoch"
+                "                 AND h.state='live')",
+                (JobState.DONE.value, receipt_json, now().isoformat(), user_id, job_id, JobState.RUNNING.value))
+            return cur.rowcount == 1
+
+        return await self._run(lambda db: self._tx(db, q))
 
     async def recent_receipts(self, user_id: str, chat_id: str, limit: int = 10) -> list[str]:
         def q(db: sqlite3.Connection) -> list[str]:

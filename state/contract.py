@@ -1,0 +1,145 @@
+"""The store contract: what every store backend keeps (SPEC sections 8 and 16).
+
+Two backends implement :class:`StoreContract`: SQLite (``state.store.Store``, the embedded
+default) and PostgreSQL (``state.postgres.PostgresStore``, shared by a fleet). Both apply
+the same migrations (``state.migrations``) and keep the same invariants:
+
+* the job fence — a job id (scoped by user) is claimed once; a repeat sees the first
+  one's state;
+* the atomic commit rule — a member's durable locator changes only inside
+  :meth:`StoreContract.finish_job`, in the transaction that records the job's receipt, and
+  only for a :class:`VerifiedTurn`;
+* the host fence — a store bound to a host lease (:meth:`StoreContract.bind_lease`) claims
+  and commits only while that lease is live *in the same transaction*; the lease is judged
+  by the store's clock (the database's, for PostgreSQL), never the host's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from state.records import JobRecord, MemberRecord, PendingFork, SandboxRecord, SandboxState, SavedLocator
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class VerifiedTurn:
+    """A settled turn whose observed locator equalled the expected one (or a NEW one).
+
+    Only this moves a member's durable locator.
+    """
+
+    locator: SavedLocator
+
+
+@dataclass(frozen=True)
+class MemberOutcome:
+    last_status: str
+    last_outcome: str
+    verified: VerifiedTurn | None = None  # None: failed / refused / not settled — locator untouched
+
+
+@dataclass(frozen=True)
+class Claim:
+    kind: Literal["claimed", "done", "running", "conflict"]
+    job: JobRecord | None = None
+
+
+@dataclass(frozen=True)
+class HostLease:
+    """A host's registration: its fencing token is ``epoch`` (monotonic per host id)."""
+
+    host_id: str
+    epoch: int
+    expires_ms: int  # store clock, milliseconds since the epoch
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    host_id: str
+    api_url: str
+    capacity: int
+    epoch: int
+    state: str  # live | fenced
+    lease_until_ms: int
+    live: bool  # state == live and the lease is unexpired, by the store's clock
+    placed_chats: int  # chats placed on this epoch
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.placed_chats
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which host owns a chat: the host id *and* the epoch it had when the chat was placed."""
+
+    user_id: str
+    chat_id: str
+    host_id: str
+    host_epoch: int
+    api_url: str
+    live: bool  # the owner is still that epoch and its lease is live
+
+
+class Fenced(Exception):
+    """The bound host lease is expired, fenced or superseded: nothing was written."""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached (e.g. PostgreSQL restarting): nothing was written."""
+
+
+@runtime_checkable
+class StoreContract(Protocol):
+    """Every method runs off the event loop (worker thread or async driver)."""
+
+    async def open(self) -> None: ...
+    async def aclose(self) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def schema_version(self) -> int: ...
+    def bind_lease(self, lease: HostLease | None) -> None: ...
+
+    # sandboxes
+    async def get_sandbox(self, user_id: str, chat_id: str) -> SandboxRecord | None: ...
+    async def put_sandbox(self, rec: SandboxRecord) -> None: ...
+    async def set_sandbox_state(self, user_id: str, chat_id: str, state: SandboxState,
+                                lost_reason: str | None = None) -> None: ...
+    async def touch_sandbox(self, user_id: str, chat_id: str) -> None: ...
+    async def list_sandboxes(self, state: SandboxState | None = None) -> list[SandboxRecord]: ...
+
+    # members
+    async def get_member(self, user_id: str, chat_id: str, member_id: str) -> MemberRecord | None: ...
+    async def list_members(self, user_id: str, chat_id: str) -> list[MemberRecord]: ...
+    async def ensure_member(self, user_id: str, chat_id: str, member_id: str, runtime: str, *,
+                            locator: SavedLocator | None = None, settled_turns: int = 0,
+                            forked_from: str | None = None) -> MemberRecord: ...
+    async def create_fork_member(self, source: MemberRecord, member_id: str, *, home_member_id: str,
+                                 locator: SavedLocator | None, settled_turns: int,
+                                 pending: PendingFork | None) -> MemberRecord | None: ...
+    async def mark_member_lost(self, user_id: str, chat_id: str, member_id: str, reason: str) -> None: ...
+    async def erase_locator_for_test(self, user_id: str, chat_id: str, member_id: str) -> None: ...
+
+    # jobs
+    async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
+                        body_digest: str, owner: str) -> Claim: ...
+    async def get_job(self, user_id: str, job_id: str) -> JobRecord | None: ...
+    async def finish_job(self, user_id: str, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None: ...
+    async def close_orphaned_job(self, user_id: str, job_id: str, receipt_json: str) -> bool: ...
+    async def running_jobs(self, *, not_owner: str | None = None, host_id: str | None = None) -> list[JobRecord]: ...
+    async def recent_receipts(self, user_id: str, chat_id: str, limit: int = 10) -> list[str]: ...
+
+    # hosts and placement (a fleet; a lone SQLite host may use them too)
+    async def register_host(self, host_id: str, api_url: str, capacity: int, ttl_s: float) -> HostLease: ...
+    async def renew_lease(self, lease: HostLease, ttl_s: float) -> HostLease | None: ...
+    async def list_hosts(self) -> list[HostRecord]: ...
+    async def place_chat(self, user_id: str, chat_id: str) -> Placement | None: ...
+    async def get_placement(self, user_id: str, chat_id: str) -> Placement | None: ...
+
+    def raw_rows(self, table: str) -> list[dict[str, Any]]: ...

@@ -1,0 +1,309 @@
+"""One store contract, two backends: every test here runs against SQLite (a file in tmp)
+and PostgreSQL (a throwaway cluster the session starts itself, tests/support/postgres.py).
+
+The job fence, the one-transaction commit rule, the host fence (lease epochs as fencing
+tokens) and atomic placement, including races: many concurrent claims of one job id,
+concurrent commits, a commit racing a fence.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from state.contract import Fenced, HostLease, MemberOutcome, StoreContract, VerifiedTurn
+from state.migrations import MIGRATIONS
+from state.postgres import PostgresStore
+from state.records import JobState, SavedLocator
+from state.store import Store
+
+pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
+
+
+@pytest.fixture(scope="session")
+def pg():
+    from tests.support.postgres import pg_cluster
+
+    with pg_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request, tmp_path):
+    if request.param == "sqlite":
+        s: StoreContract = Store(tmp_path / "s.db")
+    else:
+        s = PostgresStore(request.getfixturevalue("pg").create_database())
+    await s.open()
+    yield s
+    await s.aclose()
+    if isinstance(s, PostgresStore):
+        await anyio.to_thread.run_sync(request.getfixturevalue("pg").drop_database, s.url)
+
+
+async def second_handle(store: StoreContract, tmp_path) -> StoreContract:
+    """Another host's connection to the same store."""
+    other = Store(tmp_path / "s.db") if isinstance(store, Store) else PostgresStore(store.url)
+    await other.open()
+    return other
+
+
+async def expire_soon(store: StoreContract, lease: HostLease, ttl_s: float = 0.0) -> None:
+    """Shorten a live lease to ``ttl_s`` from now (set-up under load must not race the expiry)."""
+    assert await store.renew_lease(lease, ttl_s) is not None
+
+
+def verified(loc: str) -> MemberOutcome:
+    return MemberOutcome("NEW", "succeeded", VerifiedTurn(SavedLocator(id=loc)))
+
+
+async def test_both_backends_implement_the_contract(store: StoreContract) -> None:
+    assert isinstance(store, StoreContract)
+    assert store.schema_version == len(MIGRATIONS)
+    missing = [n for n in dir(StoreContract) if not n.startswith("_") and not hasattr(store, n)]
+    assert missing == []
+
+
+async def test_migrations_apply_once(store: StoreContract, tmp_path) -> None:
+    again = await second_handle(store, tmp_path)  # re-opening applies nothing twice
+    assert again.schema_version == len(MIGRATIONS)
+    assert again.raw_rows("members") == []
+    await again.aclose()
+
+
+async def test_job_fence(store: StoreContract) -> None:
+    first = await store.claim_job("j1", "u", "c", "m", "digest-a", "owner-1")
+    assert first.kind == "claimed"
+    assert (await store.claim_job("j1", "u", "c", "m", "digest-a", "owner-2")).kind == "running"
+    assert (await store.claim_job("j1", "u", "c", "m", "digest-b", "owner-2")).kind == "conflict"
+    # job ids are scoped by user: another user's "j1" is a different, fresh job
+    assert (await store.claim_job("j1", "other-user", "c", "m", "digest-b", "owner-2")).kind == "claimed"
+    await store.ensure_member("u", "c", "m", "pi")
+    await store.finish_job("u", "j1", '{"r": 1}', verified("L1"))
+    done = await store.claim_job("j1", "u", "c", "m", "digest-a", "owner-2")
+    assert done.kind == "done" and done.job.receipt_json == '{"r": 1}' and done.job.state == JobState.DONE
+    with pytest.raises(RuntimeError, match="already committed"):
+        await store.finish_job("u", "j1", '{"r": 2}', None)  # never commits twice
+    assert (await store.get_job("u", "j1")).receipt_json == '{"r": 1}'
+
+
+async def test_many_concurrent_claims_of_one_job_admit_exactly_one(store: StoreContract, tmp_path) -> None:
+    handles = [store] + [await second_handle(store, tmp_path) for _ in range(3)]  # four "hosts"
+    kinds: list[str] = []
+
+    async def claim(i: int) -> None:
+        kinds.append((await handles[i % 4].claim_job("same", "u", "c", "m", "d", f"o{i}")).kind)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(32):
+            tg.start_soon(claim, i)
+    for h in handles[1:]:
+        await h.aclose()
+    assert sorted(kinds) == ["claimed"] + ["running"] * 31
+    assert len(store.raw_rows("jobs")) == 1
+
+
+async def test_concurrent_commits_of_one_job_commit_once(store: StoreContract, tmp_path) -> None:
+    await store.ensure_member("u", "c", "m", "codex")
+    await store.claim_job("j", "u", "c", "m", "d", "o")
+    handles = [store] + [await second_handle(store, tmp_path) for _ in range(3)]
+    results: list[str] = []
+
+    async def commit(i: int) -> None:
+        try:
+            await handles[i % 4].finish_job("u", "j", f'{{"n": {i}}}', verified(f"L{i}"))
+            results.append(f"ok{i}")
+        except RuntimeError:
+            results.append("refused")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(commit, i)
+    for h in handles[1:]:
+        await h.aclose()
+    winners = [r for r in results if r.startswith("ok")]
+    assert len(winners) == 1 and results.count("refused") == 7
+    n = winners[0][2:]
+    m = await store.get_member("u", "c", "m")
+    assert (m.locator, m.settled_turns) == (SavedLocator(id=f"L{n}"), 1)
+    assert (await store.get_job("u", "j")).receipt_json == f'{{"n": {n}}}'
+
+
+async def test_commits_of_different_chats_run_concurrently(store: StoreContract) -> None:
+    for i in range(10):
+        await store.ensure_member("u", f"c{i}", "m", "pi")
+        await store.claim_job(f"j{i}", "u", f"c{i}", "m", "d", "o")
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            tg.start_soon(store.finish_job, "u", f"j{i}", "{}", verified(f"L{i}"))
+    for i in range(10):
+        assert (await store.get_member("u", f"c{i}", "m")).locator == SavedLocator(id=f"L{i}")
+
+
+async def test_locator_moves_only_with_a_verified_turn(store: StoreContract) -> None:
+    await store.ensure_member("u", "c", "m", "claude")
+    await store.claim_job("j1", "u", "c", "m", "d", "o")
+    await store.finish_job("u", "j1", "{}", verified("A"))
+    for i, outcome in enumerate(["failed", "not_settled", "refused"], start=2):
+        await store.claim_job(f"j{i}", "u", "c", "m", "d", "o")
+        await store.finish_job("u", f"j{i}", "{}", MemberOutcome("LIVE", outcome, None))
+    m = await store.get_member("u", "c", "m")
+    assert (m.locator, m.settled_turns, m.last_outcome) == (SavedLocator(id="A"), 1, "refused")
+    await store.claim_job("j9", "u", "c", "m", "d", "o")
+    await store.finish_job("u", "j9", "{}", MemberOutcome("RESTORED", "failed",
+                                                         VerifiedTurn(SavedLocator(id="A", path="/p"))))
+    m = await store.get_member("u", "c", "m")
+    assert (m.locator, m.settled_turns) == (SavedLocator(id="A", path="/p"), 2)
+
+
+async def test_failed_commit_leaves_nothing(store: StoreContract) -> None:
+    await store.ensure_member("u", "c", "m", "codex")
+    await store.claim_job("j1", "u", "c", "m", "d", "o")
+    with pytest.raises(KeyError):
+        await store.finish_job("u", "missing", "{}", verified("X"))
+    m = await store.get_member("u", "c", "m")
+    assert (m.locator, m.settled_turns) == (None, 0)
+    assert [r["state"] for r in store.raw_rows("jobs")] == ["running"]
+
+
+async def test_lost_is_sticky_and_first_reason_wins(store: StoreContract) -> None:
+    await store.ensure_member("u", "c", "m", "pi")
+    await store.mark_member_lost("u", "c", "m", "container_missing")
+    await store.mark_member_lost("u", "c", "m", "something_else")
+    assert (await store.get_member("u", "c", "m")).lost_reason == "container_missing"
+
+
+# -- hosts, leases, placement, fencing ----------------------------------------------------------
+
+
+async def test_registration_epochs_are_fencing_tokens(store: StoreContract) -> None:
+    a = await store.register_host("h1", "http://127.0.0.1:1", 10, ttl_s=30)
+    assert a.epoch == 1
+    again = await store.register_host("h1", "http://127.0.0.1:2", 10, ttl_s=30)
+    assert again.epoch == 1  # a restart within the lease keeps the epoch (and its chats)
+    short = await store.register_host("h2", "http://127.0.0.1:3", 10, ttl_s=0.2)
+    await anyio.sleep(0.4)
+    assert await store.renew_lease(short, ttl_s=30) is None  # expired: never renewed again
+    back = await store.register_host("h2", "http://127.0.0.1:3", 10, ttl_s=30)
+    assert back.epoch == 2
+    assert await store.renew_lease(short, ttl_s=30) is None  # the old epoch is superseded
+    assert (await store.renew_lease(back, ttl_s=30)).epoch == 2
+    hosts = {h.host_id: h for h in await store.list_hosts()}
+    assert (hosts["h1"].api_url, hosts["h1"].live, hosts["h2"].epoch) == ("http://127.0.0.1:2", True, 2)
+
+
+async def test_placement_spreads_and_skips_dead_hosts(store: StoreContract) -> None:
+    await store.register_host("h1", "http://a", 10, ttl_s=30)
+    await store.register_host("h2", "http://b", 10, ttl_s=30)
+    h3 = await store.register_host("h3", "http://c", 12, ttl_s=30)
+    owners = [(await store.place_chat("u", f"c{i}")).host_id for i in range(4)]
+    assert owners == ["h3", "h3", "h1", "h2"]  # most free capacity first; ties by host id
+    assert (await store.place_chat("u", "c0")).host_id == "h3"  # placed once
+    await expire_soon(store, h3)
+    await anyio.sleep(0.1)  # h3's lease expired
+    p = await store.get_placement("u", "c0")
+    assert (p.host_id, p.live) == ("h3", False)
+    assert {(await store.place_chat("u", f"n{i}")).host_id for i in range(4)} == {"h1", "h2"}
+    back = await store.register_host("h3", "http://c", 12, ttl_s=30)
+    assert back.epoch == 2
+    p = await store.get_placement("u", "c0")
+    assert (p.host_id, p.host_epoch, p.live) == ("h3", 1, False)  # its old chats stay lost
+    assert [h.state for h in await store.list_hosts() if h.host_id == "h3"] == ["live"]
+
+
+async def test_no_live_host_places_nothing(store: StoreContract) -> None:
+    assert await store.place_chat("u", "c") is None
+    assert await store.get_placement("u", "c") is None
+
+
+async def test_concurrent_first_jobs_agree_on_one_owner(store: StoreContract, tmp_path) -> None:
+    for h in ("h1", "h2", "h3"):
+        await store.register_host(h, f"http://{h}", 10, ttl_s=30)
+    handles = [store] + [await second_handle(store, tmp_path) for _ in range(2)]
+    seen: list[str] = []
+
+    async def place(i: int) -> None:
+        seen.append((await handles[i % 3].place_chat("u", "contested")).host_id)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(24):
+            tg.start_soon(place, i)
+    for h in handles[1:]:
+        await h.aclose()
+    assert len(seen) == 24 and len(set(seen)) == 1
+    assert len([r for r in store.raw_rows("placements") if r["chat_id"] == "contested"]) == 1
+
+
+async def test_a_bound_store_claims_and_commits_only_with_a_live_lease(store: StoreContract) -> None:
+    lease = await store.register_host("h1", "http://a", 10, ttl_s=30)
+    store.bind_lease(lease)
+    await store.ensure_member("u", "c", "m", "codex")
+    claim = await store.claim_job("j1", "u", "c", "m", "d", "o")
+    assert (claim.kind, claim.job.host_id, claim.job.host_epoch) == ("claimed", "h1", 1)
+    await expire_soon(store, lease)
+    await anyio.sleep(0.1)  # the heartbeat stopped: the lease expired
+    with pytest.raises(Fenced):
+        await store.finish_job("u", "j1", '{"late": true}', verified("LATE"))
+    with pytest.raises(Fenced):
+        await store.claim_job("j2", "u", "c", "m", "d", "o")
+    m = await store.get_member("u", "c", "m")
+    assert (m.locator, m.settled_turns) == (None, 0)  # the late commit wrote nothing
+    assert [(r["job_id"], r["state"]) for r in store.raw_rows("jobs")] == [("j1", "running")]
+    # a live host closes the orphan; the fenced one can never commit it afterwards
+    assert await store.close_orphaned_job("u", "j1", '{"closed": "host_lost"}') is True
+    assert await store.close_orphaned_job("u", "j1", '{"again": 1}') is False
+    assert (await store.get_job("u", "j1")).receipt_json == '{"closed": "host_lost"}'
+    with pytest.raises(Fenced):
+        await store.finish_job("u", "j1", '{"late": true}', verified("LATE"))
+
+
+async def test_orphans_of_live_hosts_are_not_closed(store: StoreContract) -> None:
+    store.bind_lease(await store.register_host("h1", "http://a", 10, ttl_s=30))
+    await store.claim_job("j1", "u", "c", "m", "d", "o")
+    assert await store.close_orphaned_job("u", "j1", "{}") is False
+    assert (await store.get_job("u", "j1")).state == JobState.RUNNING
+
+
+async def test_a_commit_racing_a_fence_is_ordered(store: StoreContract, tmp_path) -> None:
+    """A commit and another host's fencing of that epoch: either the commit wins (and the
+    orphan close finds it done) or the fence wins (and the commit writes nothing). Never both."""
+    other = await second_handle(store, tmp_path)
+    outcomes = []
+    for i in range(12):
+        lease = await store.register_host(f"r{i}", "http://r", 10, ttl_s=30)
+        store.bind_lease(lease)
+        await store.ensure_member("u", f"c{i}", "m", "pi")
+        await store.claim_job(f"j{i}", "u", f"c{i}", "m", "d", "o")
+        await expire_soon(store, lease, ttl_s=0.01 * (i % 4))  # the race starts right at the lease's end
+        result: dict[str, object] = {}
+
+        async def commit(i: int = i, result: dict[str, object] = result) -> None:
+            try:
+                await store.finish_job("u", f"j{i}", '{"by": "owner"}', verified(f"L{i}"))
+                result["commit"] = True
+            except Fenced:
+                result["commit"] = False
+
+        async def close(i: int = i, result: dict[str, object] = result) -> None:
+            result["close"] = await other.close_orphaned_job("u", f"j{i}", '{"by": "fence"}')
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(commit)
+            tg.start_soon(close)
+        job = await store.get_job("u", f"j{i}")
+        m = await store.get_member("u", f"c{i}", "m")
+        assert not (result["commit"] and result["close"]), result  # never both
+        if not result["commit"] and not result["close"]:
+            # the close ran while the lease was still live, the commit after it expired:
+            # nothing was written, and a later close succeeds
+            assert job.state == JobState.RUNNING
+            assert await other.close_orphaned_job("u", f"j{i}", '{"by": "fence"}') is True
+            job = await store.get_job("u", f"j{i}")
+        if result["commit"]:
+            assert (job.receipt_json, m.locator) == ('{"by": "owner"}', SavedLocator(id=f"L{i}"))
+        else:
+            assert (job.receipt_json, m.locator) == ('{"by": "fence"}', None)
+        outcomes.append(result["commit"])
+    store.bind_lease(None)
+    await other.aclose()
+    assert len(outcomes) == 12

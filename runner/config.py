@@ -13,7 +13,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from state.backends import validate_store_url
 
 RUNTIMES = ("claude", "codex", "pi", "opencode", "kilo")
 DEFAULT_MODELS = {
@@ -53,13 +55,36 @@ class Settings(BaseModel):
     control_plane_timeout_s: float = Field(default=5.0, gt=0, description="CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S")
     breaker_failures: int = Field(default=3, ge=1, description="CLOUD_AGENT_BREAKER_FAILURES: failures that open")
     breaker_reset_s: float = Field(default=30.0, gt=0, description="CLOUD_AGENT_BREAKER_RESET_S: open -> half-open")
+    store_url: SecretStr | None = Field(default=None, description="CLOUD_AGENT_STORE_URL: postgresql://… (a fleet's"
+                                        " shared store); unset = SQLite in HOME")
+    api_url: str | None = Field(default=None, description="CLOUD_AGENT_API_URL: where other hosts of the fleet reach"
+                                " this one; default http://LISTEN_HOST:LISTEN_PORT")
+    host_capacity: int = Field(default=100, ge=1, description="CLOUD_AGENT_HOST_CAPACITY: chats placed on this host")
+    lease_ttl_s: float = Field(default=30.0, gt=0, description="CLOUD_AGENT_LEASE_TTL_S: heartbeat lease in the store")
+    forward_timeout_s: float = Field(default=600.0, gt=0, description="CLOUD_AGENT_FORWARD_TIMEOUT_S")
     memory_bytes: int = 4 * 1024**3
     pids_limit: int = 1024
     nano_cpus: int = 2_000_000_000
 
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None or not v.get_secret_value():
+            return None
+        validate_store_url(v.get_secret_value())
+        return v
+
     @property
     def store_path(self) -> Path:
         return self.home / "store.db"
+
+    @property
+    def fleet(self) -> bool:
+        """A shared store makes this daemon one host of a fleet (SPEC 16)."""
+        return self.store_url is not None
+
+    def resolved_api_url(self) -> str:
+        return self.api_url or f"http://{self.listen_host}:{self.listen_port}"
 
     def gateway_key(self) -> SecretStr:
         if self.gateway_key_file is None:
@@ -113,6 +138,9 @@ _ENV = {
     "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",
     "CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S": "control_plane_timeout_s",
     "CLOUD_AGENT_BREAKER_FAILURES": "breaker_failures", "CLOUD_AGENT_BREAKER_RESET_S": "breaker_reset_s",
+    "CLOUD_AGENT_STORE_URL": "store_url", "CLOUD_AGENT_API_URL": "api_url",
+    "CLOUD_AGENT_HOST_CAPACITY": "host_capacity", "CLOUD_AGENT_LEASE_TTL_S": "lease_ttl_s",
+    "CLOUD_AGENT_FORWARD_TIMEOUT_S": "forward_timeout_s",
 }
 
 

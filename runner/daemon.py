@@ -21,9 +21,11 @@ from starlette.routing import Route
 
 from runner.api_errors import error, path_ids, validation_error
 from runner.forks import ForkError
+from runner.forwarding import FleetGate
 from runner.inspector_api import InspectorRoutes
 from runner.openapi import openapi_document
 from runner.supervisor import Supervisor
+from state.contract import Fenced, StoreUnavailable
 from state.jobs import ID_PATTERN, ForkRequest, Job
 
 NDJSON = "application/x-ndjson"
@@ -39,8 +41,10 @@ def ndjson_line(obj: dict[str, Any]) -> bytes:
 class Api:
     def __init__(self, supervisor: Supervisor, token: SecretStr | None, *, max_message_bytes: int,
                  attestation: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 readiness: Callable[[], Awaitable[tuple[list[str], dict[str, str]]]] | None = None) -> None:
+                 readiness: Callable[[], Awaitable[tuple[list[str], dict[str, str]]]] | None = None,
+                 gate: FleetGate | None = None) -> None:
         self.sup = supervisor
+        self.gate = gate  # a fleet host: requests for other hosts' chats are forwarded
         self.token = token
         self.max_message_bytes = max_message_bytes
         self.attestation = attestation
@@ -69,6 +73,24 @@ class Api:
 
         return wrapped
 
+    async def _gate_chat(self, request: Request, ids: tuple[str, ...]) -> Response | None:
+        if self.gate is None:
+            return None
+        return await self.gate.chat(request, ids[0], ids[1], await request.body())
+
+    def chat_guard(self, handler: Handler) -> Handler:
+        """guard + (a fleet host) served by the chat's owner: for routes with user and chat ids."""
+
+        async def gated(request: Request) -> Response:
+            p = request.path_params
+            ids = (p.get("user_id", ""), p.get("chat_id", ""))
+            if self.gate is not None and all(_ID.match(i) and ".." not in i for i in ids):
+                if (routed := await self._gate_chat(request, ids)) is not None:
+                    return routed
+            return await handler(request)
+
+        return self.guard(gated)
+
     # -- routes ----------------------------------------------------------------------------------
 
     async def post_job(self, request: Request) -> Response:
@@ -86,7 +108,16 @@ class Api:
         if len(job.message.encode()) > self.max_message_bytes:
             return error(422, "invalid_request", [{"field": "message", "type": "too_long",
                                                    "message": f"over {self.max_message_bytes} bytes"}])
-        sub = await self.sup.submit(job)
+        if self.gate is not None and (routed := await self.gate.job(request, job, raw)) is not None:
+            return routed
+        try:
+            sub = await self.sup.submit(job)
+        except Fenced:
+            return error(503, "host_fenced", "this host's lease expired: it accepts no work")
+        except StoreUnavailable as exc:
+            resp = error(503, "store_unavailable", str(exc))
+            resp.headers["retry-after"] = "5"
+            return resp
         if sub.kind == "conflict":
             return error(409, "job_conflict", "this job_id was used with another body")
         if sub.kind == "running":
@@ -113,6 +144,10 @@ class Api:
         if bad:
             return error(422, "invalid_request", bad)
         result = await self.sup.get_receipt(job_id, user_id)
+        if result == "running" and self.gate is not None:
+            rec = await self.sup.store.get_job(user_id, job_id)
+            if rec is not None and (closed := await self.gate.fleet.close_orphan(rec)) is not None:
+                result = closed  # its host epoch is gone: it never commits
         if result is None:
             return error(404, "not_found")
         if result == "running":
@@ -123,6 +158,8 @@ class Api:
         ids = path_ids(request, "user_id", "chat_id")
         if isinstance(ids, JSONResponse):
             return ids
+        if (routed := await self._gate_chat(request, ids)) is not None:
+            return routed
         status = await self.sup.chat_status(*ids)
         return error(404, "not_found") if status is None else JSONResponse(status)
 
@@ -130,6 +167,8 @@ class Api:
         ids = path_ids(request, "user_id", "chat_id")
         if isinstance(ids, JSONResponse):
             return ids
+        if (routed := await self._gate_chat(request, ids)) is not None:
+            return routed
         if await self.sup.chat_status(*ids) is None:
             return error(404, "not_found")
         return JSONResponse({"stopped": await self.sup.stop_chat(*ids)})
@@ -138,6 +177,8 @@ class Api:
         ids = path_ids(request, "user_id", "chat_id", "member_id")
         if isinstance(ids, JSONResponse):
             return ids
+        if (routed := await self._gate_chat(request, ids)) is not None:
+            return routed
         result = await self.sup.retire_member(*ids)
         return error(404, "not_found") if result is None else JSONResponse({"retired": result})
 
@@ -145,6 +186,8 @@ class Api:
         ids = path_ids(request, "user_id", "chat_id", "member_id")
         if isinstance(ids, JSONResponse):
             return ids
+        if (routed := await self._gate_chat(request, ids)) is not None:
+            return routed
         # Existence and ownership before anything else: another user's member answers exactly
         # like a missing one, whatever the body and whether fork is implemented.
         if await self.sup.store.get_member(*ids) is None:
@@ -188,7 +231,7 @@ class Api:
             Route(f"{base}/members/{{member_id}}/retire", g(self.retire_member), methods=["POST"]),
             Route(f"{base}/members/{{member_id}}/fork", g(self.fork_member), methods=["POST"]),
             Route("/v1/attestation", g(self.attest), methods=["GET"]),
-            *InspectorRoutes(self).routes(g),
+            *InspectorRoutes(self).routes(self.chat_guard),  # /v1/host and /ui have no chat ids
             Route("/openapi.json", g(self.openapi), methods=["GET"]),
             Route("/metrics", g(self.metrics), methods=["GET"]),
             Route("/healthz", self.healthz, methods=["GET"]),

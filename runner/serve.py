@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,8 @@ from runner.breaker import CircuitBreaker
 from runner.config import Settings
 from runner.control_plane import HeartbeatPublisher
 from runner.daemon import Api, create_app
+from runner.fleet import Fleet
+from runner.forwarding import FleetGate
 from runner.supervisor import Supervisor, build_supervisor
 from runner.turn import TestHooks
 
@@ -62,6 +64,18 @@ def control_plane(settings: Settings, supervisor: Supervisor) -> HeartbeatPublis
                               interval_s=settings.heartbeat_interval_s, timeout_s=settings.control_plane_timeout_s)
 
 
+def fleet_parts(settings: Settings, supervisor: Supervisor, token: Any,
+                hooks: TestHooks | None) -> tuple[Fleet | None, FleetGate | None]:
+    """A shared store makes this daemon a fleet host: its lease, placement and forwarding."""
+    if not settings.fleet:
+        return None, None
+    fleet = Fleet(supervisor.store, host_id=supervisor.manager.config.host_id, api_url=settings.resolved_api_url(),
+                  capacity=settings.host_capacity, ttl_s=settings.lease_ttl_s,
+                  lease_paused=hooks.lease_paused if hooks else None)
+    gate = FleetGate(fleet, token, owner=supervisor.owner, timeout_s=settings.forward_timeout_s)
+    return fleet, gate
+
+
 def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture: Any = None) -> Daemon:
     token = settings.service_token()
     if token is None:
@@ -87,17 +101,32 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
     attestor = Attestor(supervisor, probe_interval_s=settings.probe_interval_s,
                         probe_timeout_s=settings.probe_timeout_s, publisher=control_plane(settings, supervisor))
 
+    fleet, gate = fleet_parts(settings, supervisor, token, hooks)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with supervisor.running(), attestor.running():
+        # a fleet host joins (and binds its lease to the store) before recovering its jobs
+        async with AsyncExitStack() as stack:
+            if fleet is not None:
+                await stack.enter_async_context(fleet.running())
+            if gate is not None:
+                stack.push_async_callback(gate.aclose)
+            await stack.enter_async_context(supervisor.running())
+            await stack.enter_async_context(attestor.running())
             log.info("daemon.ready", listen=f"{settings.listen_host}:{settings.listen_port}", gateway=gateway_url,
                      owner=supervisor.owner)
             yield
         if fixture is not None and settings.gateway_url is None:
             fixture.close()
 
+    async def readiness() -> tuple[list[str], dict[str, str]]:
+        reasons, detail = await attestor.readiness()
+        if fleet is not None and not fleet.lease_valid():
+            reasons, detail = [*reasons, "host_fenced"], {**detail, "host_fenced": "the fleet lease expired"}
+        return reasons, detail
+
     api = Api(supervisor, token, max_message_bytes=settings.max_message_bytes,
-              attestation=attestor.document, readiness=attestor.readiness)
+              attestation=attestor.document, readiness=readiness, gate=gate)
     return Daemon(settings=settings, gateway_url=gateway_url, supervisor=supervisor,
                   app=create_app(api, lifespan=lifespan), fixture=fixture, attestor=attestor)
 

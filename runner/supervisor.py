@@ -34,7 +34,8 @@ from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
 from state.jobs import ForkRequest, Job
 from state.receipts import Outcome, Receipt
 from state.records import SandboxState
-from state.store import Store
+from state.backends import open_store
+from state.contract import Fenced, StoreContract, StoreUnavailable
 
 log = structlog.get_logger("supervisor")
 
@@ -62,7 +63,7 @@ class _Job:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, *, engine: Engine, store: Store, manager: SandboxManager,
+    def __init__(self, settings: Settings, *, engine: Engine, store: StoreContract, manager: SandboxManager,
                  gateway_url: str, hooks: TestHooks | None = None) -> None:
         self.settings = settings
         self.engine = engine
@@ -89,7 +90,8 @@ class Supervisor:
         """After a restart: jobs a dead daemon left running never ran to commit; close them
         as not_settled (never re-run: the CLI may already have sent the message), and kill
         CLI processes the dead daemon left in retained sandboxes."""
-        for rec in await self.store.running_jobs(not_owner=self.owner):
+        # only this host's jobs: in a fleet the store holds every host's (SPEC 16)
+        for rec in await self.store.running_jobs(not_owner=self.owner, host_id=self.manager.config.host_id):
             member = await self.store.get_member(rec.user_id, rec.chat_id, rec.member_id)
             now = datetime.now(UTC)
             receipt = Receipt(job_id=rec.job_id, user_id=rec.user_id, chat_id=rec.chat_id, member_id=rec.member_id,
@@ -123,6 +125,8 @@ class Supervisor:
             await self.pool.retire_where(
                 lambda r: now - r.last_used > self.settings.resident_idle_s and not self._busy(r.key), "idle")
             for rec in await self.store.list_sandboxes(SandboxState.RUNNING):
+                if rec.host_id != self.manager.config.host_id:
+                    continue  # a fleet's store holds every host's sandboxes
                 idle = (datetime.now(UTC) - rec.last_used_at).total_seconds()
                 chat = (rec.user_id, rec.chat_id)
                 if idle > self.settings.idle_stop_s and not any(self._busy(k) for k in self._locks if k[:2] == chat):
@@ -139,6 +143,7 @@ class Supervisor:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Supervisor"]:
+        await self.store.open()  # PostgreSQL: connect and migrate (SQLite: already open)
         await self.recover()
         async with anyio.create_task_group() as tg:
             self._tg = tg
@@ -199,6 +204,23 @@ class Supervisor:
             entry.receipt = receipt
             self.metrics.observe(receipt)
             emit({"type": "receipt", "receipt": receipt.model_dump(mode="json")})
+        except Fenced:
+            # the lease expired mid-turn: the store refused the commit; nothing was recorded
+            log.error("job.commit_fenced", job_id=job.job_id)
+            await self.pool.retire_where(lambda r: r.key[:2] == (job.user_id, job.chat_id), "host fenced")
+            emit({"type": "error", "error": "host_fenced",
+                  "detail": "this host's lease expired during the turn: the store refused its commit"})
+        except StoreUnavailable as exc:
+            # The store went away mid-turn: close the job as not_settled (the store retries a
+            # while) so it is not left running; the member's locator stays where it was.
+            log.error("job.store_unavailable", job_id=job.job_id, error=str(exc))
+            await self.pool.retire_where(lambda r: r.key == (job.user_id, job.chat_id, job.member_id),
+                                         "store unavailable")
+            try:
+                entry.receipt = await self._close_unsettled(job, "store_unavailable")
+                emit({"type": "receipt", "receipt": entry.receipt.model_dump(mode="json")})
+            except (StoreUnavailable, RuntimeError, KeyError):
+                emit({"type": "error", "error": "store_unavailable", "detail": str(exc)})
         except Exception as exc:  # noqa: BLE001 - a bug must not take the daemon down
             log.exception("job.crashed", job_id=job.job_id, error=repr(exc))
             emit({"type": "error", "error": "internal_error", "detail": type(exc).__name__})
@@ -206,6 +228,17 @@ class Supervisor:
             entry.done.set()
             entry.send.close()
             self._jobs.pop((job.user_id, job.job_id), None)
+
+    async def _close_unsettled(self, job: Job, reason: str) -> Receipt:
+        member = await self.store.get_member(job.user_id, job.chat_id, job.member_id)
+        locator = member.locator.id if member and member.locator else None
+        now = datetime.now(UTC)
+        receipt = Receipt(job_id=job.job_id, user_id=job.user_id, chat_id=job.chat_id, member_id=job.member_id,
+                          runtime=job.runtime, context_status=None, outcome=Outcome.NOT_SETTLED, reason=reason,
+                          locator_before=locator, locator_after=locator, started_at=now, finished_at=now)
+        with anyio.CancelScope(shield=True):
+            await self.store.finish_job(job.user_id, job.job_id, receipt.model_dump_json(), None)
+        return receipt
 
     async def run_job(self, job: Job) -> tuple[Receipt | None, list[dict[str, Any]], str]:
         """Library call: dispatch and wait. Returns (receipt, events, submission kind)."""
@@ -257,7 +290,8 @@ class Supervisor:
     async def render_metrics(self) -> str:
         states: dict[str, int] = {s.value: 0 for s in SandboxState}
         for rec in await self.store.list_sandboxes():
-            states[rec.state.value] += 1
+            if rec.host_id == self.manager.config.host_id:
+                states[rec.state.value] += 1
         return self.metrics.render(residents=sum(1 for k in self.pool.keys() if self.pool.is_resident(k)),
                                    sandboxes=states)
 
@@ -297,7 +331,7 @@ async def _all_locks(locks: list[anyio.Lock]) -> AsyncIterator[None]:
 def build_supervisor(settings: Settings, gateway_url: str, *, hooks: TestHooks | None = None,
                      engine: Engine | None = None) -> Supervisor:
     engine = engine or DockerEngine(settings.docker_url)
-    store = Store(settings.store_path)
+    store = open_store(settings.store_url.get_secret_value() if settings.store_url else None, settings.store_path)
     image = settings.image or image_tag()
     cfg = SandboxConfig(image=image, network=settings.network_for(gateway_url),
                         host_id=settings.resolved_host_id(), memory_bytes=settings.memory_bytes,

@@ -49,6 +49,7 @@ class TestHooks:
 
     wrap_transport: Callable[[Transport, str], Transport] | None = None
     disable_retire_after: bool = False
+    lease_paused: Callable[[], bool] | None = None  # a fleet host's heartbeat pauses while True
 
 
 def to_locator(saved: SavedLocator | None) -> Locator | None:

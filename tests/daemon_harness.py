@@ -122,13 +122,13 @@ class DaemonProcess:
 
 @contextmanager
 def serve_process(env: dict[str, str], port: int, log_path: Path, *,
-                  cwd: Path | None = None) -> Iterator[DaemonProcess]:
+                  cwd: Path | None = None, argv: list[str] | None = None) -> Iterator[DaemonProcess]:
     """Run the daemon with exactly ``env`` on ``port``; yield once /healthz answers (60 s at
     most), terminate it at the end."""
     if env.get("CLOUD_AGENT_HOST_ID"):
         TEST_HOST_IDS.add(env["CLOUD_AGENT_HOST_ID"])
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
+        proc = subprocess.Popen(argv or [sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
                                 cwd=cwd, start_new_session=True)
     dp = DaemonProcess(proc, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + 60

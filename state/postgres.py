@@ -59,9 +59,10 @@ def redact(url: str) -> str:
 
 class PostgresStore(PostgresFleet):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout_s: float = 10.0,
-                 commit_retry_s: float = 20.0) -> None:
+                 commit_retry_s: float = 20.0, retry_s: float = 10.0) -> None:
         self.url = url
         self.commit_retry_s = commit_retry_s
+        self.retry_s = retry_s
         self._pool = AsyncConnectionPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             check=AsyncConnectionPool.check_connection,  # drop connections a restart broke
@@ -97,14 +98,29 @@ class PostgresStore(PostgresFleet):
     def bind_lease(self, lease: HostLease | None) -> None:
         self._lease = lease
 
-    async def _tx(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+    async def _tx_once(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """One transaction; a lost server is StoreUnavailable. For writes whose retry after an
+        unacknowledged commit would mean something else (the job claim, a fork's insert)."""
         try:
             async with self._pool.connection() as conn, conn.transaction():
                 return await fn(conn)
-        except (psycopg.OperationalError, PoolTimeout) as exc:
+        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
             if isinstance(exc, psycopg.errors.QueryCanceled):
                 raise
             raise StoreUnavailable(f"store {redact(self.url)}: {type(exc).__name__}") from exc
+
+    async def _tx(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """Reads and idempotent writes ride out a short outage (a server restart) by retrying."""
+        deadline = time.monotonic() + self.retry_s
+        attempt = 0
+        while True:
+            try:
+                return await self._tx_once(fn)
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                attempt += 1
+                await anyio.sleep(min(1.0, 0.1 * attempt))
 
     async def _migrate(self) -> None:
         async def version(conn: Conn) -> int:
@@ -236,7 +252,7 @@ class PostgresStore(PostgresFleet):
             row = await self._one(conn, self._MEMBER, (source.user_id, source.chat_id, member_id))
             return _SQLiteRows._member(row) if row else None
 
-        return await self._tx(q)
+        return await self._tx_once(q)
 
     async def mark_member_lost(self, user_id: str, chat_id: str, member_id: str, reason: str) -> None:
         await self._tx(lambda conn: conn.execute(
@@ -281,7 +297,7 @@ class PostgresStore(PostgresFleet):
             assert row is not None
             return self._seen(JobRecord(**row), body_digest)
 
-        return await self._tx(q)
+        return await self._tx_once(q)
 
     async def get_job(self, user_id: str, job_id: str) -> JobRecord | None:
         async def q(conn: Conn) -> JobRecord | None:
@@ -327,7 +343,7 @@ class PostgresStore(PostgresFleet):
         deadline = time.monotonic() + self.commit_retry_s
         while True:
             try:
-                return await self._tx(q)
+                return await self._tx_once(q)
             except StoreUnavailable as exc:
                 if time.monotonic() > deadline:
                     raise

@@ -307,3 +307,38 @@ async def test_a_commit_racing_a_fence_is_ordered(store: StoreContract, tmp_path
     store.bind_lease(None)
     await other.aclose()
     assert len(outcomes) == 12
+
+
+async def test_postgres_outage_is_store_unavailable_and_short_ones_are_ridden_out(request) -> None:
+    from state.contract import StoreUnavailable
+
+    pg = request.getfixturevalue("pg")
+    url = pg.create_database()
+    patient = PostgresStore(url, retry_s=30)
+    impatient = PostgresStore(url, retry_s=0.5, timeout_s=2)
+    await patient.open()
+    await impatient.open()
+    await patient.ensure_member("u", "c", "m", "pi")
+    try:
+        await anyio.to_thread.run_sync(pg.stop)
+        with pytest.raises(StoreUnavailable, match="store postgresql://cloud_agent@"):
+            await impatient.get_member("u", "c", "m")
+        with pytest.raises(StoreUnavailable):
+            await impatient.claim_job("j", "u", "c", "m", "d", "o")  # a claim is never retried blindly
+        async with anyio.create_task_group() as tg:
+            seen: list[object] = []
+
+            async def read() -> None:
+                seen.append(await patient.get_member("u", "c", "m"))  # waits out the restart
+
+            tg.start_soon(read)
+            await anyio.sleep(1.0)
+            await anyio.to_thread.run_sync(pg.start)
+        assert [m.member_id for m in seen] == ["m"]
+        assert (await impatient.claim_job("j", "u", "c", "m", "d", "o")).kind == "claimed"
+        assert [r["job_id"] for r in patient.raw_rows("jobs")] == ["j"]
+    finally:
+        if not (pg.root / "data" / "postmaster.pid").exists():
+            await anyio.to_thread.run_sync(pg.start)
+        await patient.aclose()
+        await impatient.aclose()

@@ -1,27 +1,27 @@
-"""Runtime name -> driver."""
+"""Runtime name -> driver: one line per CLI (the driver's package is imported on first use)."""
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import Any
+
 from drivers.base import Driver
 
-RUNTIMES = ("claude", "codex", "pi", "opencode", "kilo")
+# runtime -> (module, class, constructor arguments)
+_DRIVERS: dict[str, tuple[str, str, tuple[Any, ...]]] = {
+    "claude": ("drivers.claude", "ClaudeDriver", ()),
+    "codex": ("drivers.codex", "CodexDriver", ()),
+    "pi": ("drivers.pi", "PiDriver", ()),
+    "opencode": ("drivers.bridge", "BridgeDriver", ("opencode",)),
+    "kilo": ("drivers.bridge", "BridgeDriver", ("kilo",)),
+}
+RUNTIMES = tuple(_DRIVERS)
 
 
 def get_driver(runtime: str) -> Driver:
-    if runtime == "claude":
-        from drivers.claude import ClaudeDriver
-
-        return ClaudeDriver()
-    if runtime == "codex":
-        from drivers.codex import CodexDriver
-
-        return CodexDriver()
-    if runtime == "pi":
-        from drivers.pi import PiDriver
-
-        return PiDriver()
-    if runtime in ("opencode", "kilo"):
-        from drivers.bridge import BridgeDriver
-
-        return BridgeDriver(runtime)
-    raise KeyError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+    try:
+        module, name, args = _DRIVERS[runtime]
+    except KeyError:
+        raise KeyError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}") from None
+    driver: Driver = getattr(import_module(module), name)(*args)
+    return driver

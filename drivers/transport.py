@@ -2,23 +2,14 @@
 
 A driver never knows where its CLI runs. It talks to a :class:`Transport`: async,
 line-oriented send / receive / close / alive. The same driver therefore runs against a
-local subprocess in tests (:class:`LocalProcessTransport`) and against a ``docker exec``
+local subprocess in tests (``tests/support/local_process.py``) and against a ``docker exec``
 attached socket in production (supplied by the runner from ``sandbox_manager``), just as
 httpx clients run over any transport.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import tempfile
-from pathlib import Path
 from typing import Protocol, runtime_checkable
-
-import anyio
-from anyio.abc import Process
-
-from drivers.launch import LaunchSpec
 
 MAX_LINE_BYTES = 32 * 1024 * 1024  # Codex/Claude events can be large; a runaway line is an error
 
@@ -109,132 +100,3 @@ class LineBuffer:
         line = bytes(self._buf)
         self._buf.clear()
         return line
-
-
-class LocalProcessTransport:
-    """A CLI as a local subprocess, started through the same in-sandbox launcher
-    (``ca-launch``) the containers use, so prechecks and the secret header behave alike.
-
-    stderr goes to a temp file rather than a pipe: nobody has to drain it, so a chatty
-    CLI can never block on a full stderr pipe.
-    """
-
-    def __init__(self, process: Process, stderr_path: Path, pidfile: Path) -> None:
-        self._proc = process
-        self._stderr_path = stderr_path
-        self._pidfile = pidfile
-        self._lines = LineBuffer()
-        self._eof = False
-        self._closed = False
-
-    @classmethod
-    async def start(cls, spec: LaunchSpec, *, launcher: tuple[str, ...] | None = None,
-                    run_dir: Path | None = None, exec_prefix: tuple[str, ...] = ()) -> "LocalProcessTransport":
-        """Start ``spec`` as a local subprocess.
-
-        ``exec_prefix`` runs the launcher through another local command, e.g.
-        ``("docker", "exec", "-i", "-u", "agent", CONTAINER)`` with ``launcher=("ca-launch",)``:
-        test harnesses use it to drive a CLI inside a container whose paths are bind-mounted
-        from this machine. Environment then travels as ``-e NAME`` flags (names only).
-        """
-        spec.materialize_files_locally()
-        run_dir = run_dir or Path(tempfile.mkdtemp(prefix="ca-run-"))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        pidfile = run_dir / "cli.pid"
-        stderr_path = run_dir / "stderr.log"
-        argv = spec.launcher_argv(pidfile=str(pidfile), launcher=launcher or default_launcher())
-        env = {**os.environ, **spec.env} if spec.inherit_env else dict(spec.env)
-        if exec_prefix:
-            env_flags = [flag for name in spec.env for flag in ("-e", name)]
-            argv = [*exec_prefix[:-1], *env_flags, exec_prefix[-1], *argv]
-            env = {**os.environ, **spec.env}
-        stderr = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
-        try:
-            proc = await anyio.open_process(argv, stdin=-1, stdout=-1, stderr=stderr, env=env,
-                                            start_new_session=False)
-        finally:
-            stderr.close()
-        t = cls(proc, stderr_path, pidfile)
-        header = spec.secret_header_line()
-        if header is not None:
-            await t.send(header)
-        return t
-
-    async def send(self, line: bytes) -> None:
-        if self._closed or self._proc.stdin is None:
-            raise TransportClosed("stdin already closed")
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        try:
-            await self._proc.stdin.send(line)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BrokenPipeError) as exc:
-            raise TransportClosed(f"process stdin is gone: {exc!r}") from exc
-
-    async def receive(self) -> bytes | None:
-        while True:
-            line = self._lines.pop_line()
-            if line is not None:
-                return line
-            if self._eof:
-                return self._lines.rest()
-            assert self._proc.stdout is not None
-            try:
-                chunk = await self._proc.stdout.receive(65536)
-            except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-                self._eof = True
-                continue
-            self._lines.feed(chunk)
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._proc.stdin is not None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._proc.stdin.aclose()
-                except (anyio.BrokenResourceError, OSError):
-                    pass
-
-    @property
-    def alive(self) -> bool:
-        return not self._eof and not self._closed and self._proc.returncode is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
-
-    def diagnostics(self) -> str:
-        try:
-            data = self._stderr_path.read_bytes()[-8192:]
-        except OSError:
-            return ""
-        return data.decode(errors="replace")
-
-    async def kill(self, grace_s: float = 2.0) -> None:
-        """Kill the whole process group (the launcher made the CLI a group leader)."""
-        await self.close()
-        try:
-            pgid = int(self._pidfile.read_text().strip())
-        except (OSError, ValueError):
-            pgid = self._proc.pid
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            with anyio.move_on_after(grace_s):
-                await self._proc.wait()
-            if self._proc.returncode is not None:
-                break
-        with anyio.CancelScope(shield=True), anyio.move_on_after(grace_s):
-            await self._proc.wait()
-
-    async def wait(self) -> int:
-        return await self._proc.wait()
-
-
-def default_launcher() -> tuple[str, ...]:
-    """The in-image launcher script, run with the host's python3 for local processes."""
-    script = Path(__file__).resolve().parent.parent / "images" / "sandbox" / "helpers" / "ca-launch"
-    return ("python3", str(script))

@@ -13,7 +13,7 @@ import shlex
 import anyio
 from pydantic import BaseModel, Field
 
-from drivers.bridge import native_db
+from drivers.bridge.launch import native_db
 from drivers.claude import ClaudeDriver
 from drivers.codex import CodexDriver
 from drivers.models import Locator

@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from deploy.loopback import LoopbackFixture  # noqa: E402
 from drivers.bridge import BridgeDriver  # noqa: E402
-from drivers.bridge_replay import BRIDGE_PATH, bridge_module  # noqa: E402
 from drivers.models import GatewayConfig, MemberPaths, Settlement  # noqa: E402
-from drivers.transport import LocalProcessTransport  # noqa: E402
+from tests.support.bridge_replay import BRIDGE_PATH, bridge_module  # noqa: E402
+from tests.support.local_process import LocalProcessTransport  # noqa: E402
 
 BUILD = os.environ.get("CA_BUILD_CTX", "/var/tmp/cloud-agent-build/ctx-8513ace37ce2")
 PATH = f"{BUILD}/runtime/usr/local/bin:{BUILD}/agents/usr/local/bin:/usr/local/bin:/usr/bin:/bin"

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import structlog  # noqa: E402
 
 from drivers.claude import ClaudeDriver, ClaudeSettings  # noqa: E402
-from drivers.claude_protocol import TurnTracker  # noqa: E402
+from drivers.claude.wire import TurnTracker  # noqa: E402
 from drivers.transport import TransportWrapper  # noqa: E402
 from tests.unit.test_claude_replay import load_stream, make_session  # noqa: E402
 
@@ -97,7 +97,7 @@ async def bench_cli(turns: int) -> None:
 
     from deploy.loopback import LoopbackFixture
     from drivers.models import GatewayConfig, MemberPaths, Settlement
-    from drivers.transport import LocalProcessTransport
+    from tests.support.local_process import LocalProcessTransport
     from images.build import ensure_image
 
     image = ensure_image()

@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from drivers.base import parse_json_line  # noqa: E402
 from drivers.codex import CodexDriver, CodexSettings  # noqa: E402
-from drivers.codex_protocol import TurnTracker, kind_of  # noqa: E402
-from drivers.codex_replay import ReplayTransport  # noqa: E402
+from drivers.codex.wire import TurnTracker, kind_of  # noqa: E402
 from drivers.models import GatewayConfig, MemberPaths, Settlement  # noqa: E402
-from drivers.replay import Entry, load_stream  # noqa: E402
+from tests.support.codex_replay import ReplayTransport  # noqa: E402
+from tests.support.replay import Entry, load_stream  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "codex"
 PATHS = MemberPaths(home="/home/agent/m", workspace="/home/agent/workspace", run_dir="/home/agent/run")

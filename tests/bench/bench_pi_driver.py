@@ -34,10 +34,11 @@ from deploy.loopback.server import LoopbackFixture  # noqa: E402
 from drivers.base import parse_json_line  # noqa: E402
 from drivers.models import GatewayConfig, MemberPaths, Settlement  # noqa: E402
 from drivers.pi import PiDriver, PiSession, PiSettings  # noqa: E402
-from drivers.pi_protocol import PiTurn  # noqa: E402
-from drivers.pi_replay import ScriptedPiTransport  # noqa: E402
-from drivers.replay import load_stream  # noqa: E402
-from drivers.transport import LocalProcessTransport, TransportWrapper  # noqa: E402
+from drivers.pi.wire import PiTurn  # noqa: E402
+from drivers.transport import TransportWrapper  # noqa: E402
+from tests.support.local_process import LocalProcessTransport  # noqa: E402
+from tests.support.pi_replay import ScriptedPiTransport  # noqa: E402
+from tests.support.replay import load_stream  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "pi"
 BUILD = "/var/tmp/cloud-agent-build/ctx-8513ace37ce2"

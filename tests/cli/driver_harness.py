@@ -27,8 +27,9 @@ from deploy.loopback import LoopbackFixture, Message
 from drivers.base import NativeSession
 from drivers.launch import LaunchSpec
 from drivers.models import GatewayConfig, MemberPaths, Settlement
-from drivers.replay import Entry, RecordingTransport
-from drivers.transport import LocalProcessTransport, Transport, unwrap
+from drivers.transport import Transport, unwrap
+from tests.support.local_process import LocalProcessTransport
+from tests.support.replay import Entry, RecordingTransport
 
 AGENT_UID = 1000  # the image's user ``agent``
 

@@ -35,9 +35,9 @@ from deploy.loopback import (
     stall,
     tool_call,
 )
-from drivers.bridge import BridgeDriver, native_db
-from drivers.bridge_replay import BRIDGE_PATH, dump_trace, load_trace, trim
-from drivers.bridge_session import BridgeSession
+from drivers.bridge import BridgeDriver
+from drivers.bridge.launch import native_db
+from drivers.bridge.session import BridgeSession
 from drivers.models import (
     FailureReason,
     GatewayConfig,
@@ -54,6 +54,7 @@ from drivers.models import (
     ToolStarted,
 )
 from images.pins import load_pins
+from tests.support.bridge_replay import BRIDGE_PATH, dump_trace, load_trace, trim
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from drivers.bridge_replay import BRIDGE_PATH
 from images.checks import check_image_labels
 from images.pins import load_pins
+from tests.support.bridge_replay import BRIDGE_PATH
 
 pytestmark = [pytest.mark.docker]
 

@@ -24,7 +24,7 @@ from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 from deploy.loopback import LoopbackFixture, Message, default_reply, fail, reject, shell_call, stall, tool_call
 from deploy.loopback.behaviour import TERMINAL_MESSAGE
 from drivers.claude import ClaudeDriver, ClaudeSession, ClaudeSettings
-from drivers.claude_protocol import sanitize_project_dir
+from drivers.claude.wire import sanitize_project_dir
 from drivers.models import (
     FailureReason,
     HandshakeFailed,
@@ -313,7 +313,7 @@ async def test_message_is_sent_unchanged(box: Box) -> None:
 async def test_raw_slash_clear_would_switch_sessions_and_is_reported(box: Box, monkeypatch) -> None:
     """Why slash-looking text gets the trailing empty block: sent as a plain string, "/clear"
     is run by the CLI and the turn reports a NEW session id. The driver surfaces it."""
-    import drivers.claude as claude_module
+    import drivers.claude.session as claude_module
 
     def plain(message: str) -> dict[str, Any]:
         return {"type": "user", "message": {"role": "user", "content": message}, "parent_tool_use_id": None,

@@ -24,7 +24,7 @@ from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 from deploy.loopback import LoopbackFixture, Message, cut, default_reply, fail, reject, shell_call, stall
 from deploy.loopback.behaviour import TERMINAL_MESSAGE
 from drivers.codex import CodexDriver, CodexSession, CodexSettings
-from drivers.codex_config import render_config
+from drivers.codex.launch import render_config
 from drivers.models import (
     FailureReason,
     HandshakeFailed,
@@ -39,7 +39,7 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
-from drivers.replay import Entry, dump_stream, load_stream
+from tests.support.replay import Entry, dump_stream, load_stream
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 

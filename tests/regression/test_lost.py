@@ -35,7 +35,7 @@ from typing import Any
 import docker.errors
 import pytest
 
-from drivers.bridge import native_db
+from drivers.bridge.launch import native_db
 from drivers.claude import ClaudeDriver
 from drivers.codex import CodexDriver
 from drivers.models import Locator

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drivers.bridge_replay import bridge_module
+from tests.support.bridge_replay import bridge_module
 
 B = bridge_module()
 S = "ses_root0000000001"

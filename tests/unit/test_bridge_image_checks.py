@@ -3,9 +3,9 @@ helper version (SPEC section 6), as well as mismatched CLI pins."""
 
 from __future__ import annotations
 
-from drivers.bridge_replay import bridge_module
 from images.checks import check_image_labels
 from images.pins import load_pins
+from tests.support.bridge_replay import bridge_module
 
 
 def good() -> dict[str, str]:

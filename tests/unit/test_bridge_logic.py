@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from drivers.bridge_replay import bridge_module
 from images.pins import load_pins
+from tests.support.bridge_replay import bridge_module
 
 B = bridge_module()
 S, CHILD, OTHER = "ses_root0000000001", "ses_child000000001", "ses_other000000001"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from deploy.loopback import default_reply
-from drivers.bridge_replay import bridge_module, load_trace, recorded_outputs, replay
+from tests.support.bridge_replay import bridge_module, load_trace, recorded_outputs, replay
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bridge"
 CAPTURES = sorted(DATA.glob("*.jsonl"))

@@ -1,4 +1,4 @@
-"""drivers.bridge / drivers.bridge_session without Docker or CLIs: the launch spec, the
+"""drivers.bridge / drivers.bridge.session without Docker or CLIs: the launch spec, the
 handshake, settlement mapping, timeouts and cancellation over a scripted transport."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drivers.bridge import KEY_ENV, BridgeDriver, native_db
-from drivers.bridge_session import BridgeCommandError, BridgeSession
+from drivers.bridge import BridgeDriver
+from drivers.bridge.launch import KEY_ENV, native_db
+from drivers.bridge.session import BridgeCommandError, BridgeSession
 from drivers.models import (
     FailureReason,
     GatewayConfig,

@@ -10,7 +10,7 @@ import anyio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drivers.claude_protocol import TurnTracker, failure_reason, normalize, sanitize_project_dir
+from drivers.claude.wire import TurnTracker, failure_reason, normalize, sanitize_project_dir
 from drivers.models import NotSettled, NotSettledReason, Settlement
 from tests.unit.test_claude_replay import SETTINGS, load_stream, make_session
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from drivers.claude import FORK_RESOLVER, KEY_ENV, ClaudeDriver, ClaudeSettings
-from drivers.claude_fork_at import fork_anchor, is_prompt
-from drivers.claude_protocol import is_uuid
+from drivers.claude import ClaudeDriver, ClaudeSettings
+from drivers.claude.launch import FORK_RESOLVER, KEY_ENV
+from drivers.claude.fork_at import fork_anchor, is_prompt
+from drivers.claude.wire import is_uuid
 from drivers.models import GatewayConfig, Locator, MemberPaths
 from drivers.registry import get_driver
 
@@ -153,7 +154,7 @@ def test_fork_anchor_missing_and_garbage() -> None:
 
 
 def test_resolver_script_execs_with_the_anchor_or_prints_launch_error(tmp_path: Path) -> None:
-    script = Path(__file__).resolve().parents[2] / "drivers" / "claude_fork_at.py"
+    script = Path(__file__).resolve().parents[2] / "drivers" / "claude" / "fork_at.py"
     ok = subprocess.run([sys.executable, str(script), "--transcript", str(TRANSCRIPT), "--turn", "3", "--",
                          "echo", "claude", "--fork-session"], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and ok.stdout.split() == ["claude", "--fork-session", "--resume-session-at",

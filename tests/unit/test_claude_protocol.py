@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from drivers.claude_protocol import (
+from drivers.claude.wire import (
     TurnTracker,
     failure_reason,
     is_root,

@@ -6,8 +6,9 @@ import tomllib
 
 import pytest
 
-from drivers.codex import CodexDriver, resume_failure
-from drivers.codex_config import KEY_ENV, PROVIDER_ID, CodexSettings, render_config
+from drivers.codex import CodexDriver
+from drivers.codex.wire import resume_failure
+from drivers.codex.launch import KEY_ENV, PROVIDER_ID, CodexSettings, render_config
 from drivers.models import GatewayConfig, HandshakeReason, Locator, MemberPaths
 from drivers.registry import get_driver
 

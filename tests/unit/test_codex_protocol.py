@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drivers.codex_protocol import (
+from drivers.codex.wire import (
     Kind,
     TurnTracker,
     answer_server_request,
@@ -18,7 +18,7 @@ from drivers.codex_protocol import (
     kind_of,
 )
 from drivers.models import ErrorNotice, FailureReason, Locator, Notice, RetryNotice, TextDelta, ToolFinished, ToolStarted
-from drivers.replay import load_stream
+from tests.support.replay import load_stream
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "codex"
 

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drivers.codex import CodexDriver, CodexSession, CodexSettings
-from drivers.codex_replay import ReplayTransport
 from drivers.models import (
     ErrorNotice,
     FailureReason,
@@ -30,7 +29,8 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
-from drivers.replay import Entry, load_stream
+from tests.support.codex_replay import ReplayTransport
+from tests.support.replay import Entry, load_stream
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "codex"
 PATHS = MemberPaths(home="/home/agent/m", workspace="/home/agent/workspace", run_dir="/home/agent/run")

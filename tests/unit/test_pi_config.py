@@ -8,7 +8,7 @@ import pytest
 
 from drivers.models import GatewayConfig, Locator, MemberPaths
 from drivers.pi import PiDriver
-from drivers.pi_config import HERMETIC_FLAGS, KEY_ENV
+from drivers.pi.launch import HERMETIC_FLAGS, KEY_ENV
 
 SECRET = "sk-pi-canary-7f3a91"
 PATHS = MemberPaths(home="/h/m1", workspace="/w/chat", run_dir="/r/m1")

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from drivers.models import Locator, NotSettled, NotSettledReason, Settlement
 from drivers.pi import PiSession, PiSettings
-from drivers.pi_protocol import PiTurn
-from drivers.pi_replay import DEFAULT_STATE, ScriptedPiTransport
+from drivers.pi.wire import PiTurn
+from tests.support.pi_replay import DEFAULT_STATE, ScriptedPiTransport
 from tests.unit.test_pi_support import RECORDINGS, launch_for, recording
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drivers.models import FailureReason, Locator
-from drivers.pi_protocol import PiTurn, failure_reason, http_status, message_text, state_locator
+from drivers.pi.wire import PiTurn, failure_reason, http_status, message_text, state_locator
 
 ANTH_400 = '400 {"type":"error","error":{"type":"invalid_request_error","message":"%s"}}'
 

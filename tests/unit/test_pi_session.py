@@ -322,7 +322,7 @@ async def test_fork_at_a_historical_turn_switches_to_the_new_session() -> None:
 
 
 async def test_fork_needs_a_persisted_turn() -> None:
-    from drivers.pi import ForkFailed
+    from drivers.pi.session import ForkFailed
 
     session, _ = replay_session(recording("tool_call"))
     await session.handshake()

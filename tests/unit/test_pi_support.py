@@ -10,8 +10,8 @@ from drivers.base import Launch
 from drivers.launch import LaunchSpec
 from drivers.models import DriverEvent, Locator
 from drivers.pi import PiSession, PiSettings
-from drivers.pi_replay import ScriptedPiTransport
-from drivers.replay import Entry, load_stream
+from tests.support.pi_replay import ScriptedPiTransport
+from tests.support.replay import Entry, load_stream
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "pi"
 RECORDINGS = ("tool_call", "terminal_400", "retry_success", "retry_exhausted", "abort", "overflow_stale")

@@ -3,7 +3,7 @@
     PI_BIN_DIR=/path/to/dir/with/pi/and/node uv run python tests/data/pi/capture.py
 
 Each scenario runs the real :class:`drivers.pi.PiDriver` on a fresh NEW member with a
-:class:`drivers.replay.RecordingTransport`, so a file holds exactly what the driver sent
+:class:`tests.support.replay.RecordingTransport`, so a file holds exactly what the driver sent
 (``in``) and what pi printed (``out``): the handshake ``get_state``, the turn(s), the
 barriers. Trimming: ``message_update`` loses its ``partial`` snapshot (the driver never
 reads it: it is a mutated object, protocols/pi.md §3) and ``get_state`` answers lose the
@@ -28,9 +28,9 @@ from deploy.loopback import rules as R  # noqa: E402
 from deploy.loopback.server import LoopbackFixture  # noqa: E402
 from drivers.models import GatewayConfig, MemberPaths  # noqa: E402
 from drivers.pi import PiDriver  # noqa: E402
-from drivers.pi_replay import PI_DIRECTIONS  # noqa: E402
-from drivers.replay import RecordingTransport, dump_stream  # noqa: E402
-from drivers.transport import LocalProcessTransport  # noqa: E402
+from tests.support.pi_replay import PI_DIRECTIONS  # noqa: E402
+from tests.support.replay import RecordingTransport, dump_stream  # noqa: E402
+from tests.support.local_process import LocalProcessTransport  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
 

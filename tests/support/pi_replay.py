@@ -1,6 +1,6 @@
 """Recorded pi RPC streams: a scripted replay transport.
 
-A recording (:mod:`drivers.replay`, directions :data:`PI_DIRECTIONS`) holds, in the order the
+A recording (:mod:`tests.support.replay`, directions :data:`PI_DIRECTIONS`) holds, in the order the
 driver saw them, ``out`` = a line pi printed and ``in`` = a command the driver sent.
 :class:`ScriptedPiTransport` replays the ``out`` lines and, at each ``in`` entry, waits
 until the driver under test really sends a command of that type (its id replaces the
@@ -9,7 +9,7 @@ recorded one in the matching response). A driver that forgets a barrier therefor
 is caught because the recorded follow-on events are still ahead of it.
 
 Used by tests/unit/test_pi_*.py and tests/bench/bench_pi_driver.py; tests/data/pi/capture.py
-records real streams with :class:`drivers.replay.RecordingTransport`.
+records real streams with :class:`tests.support.replay.RecordingTransport`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 
 from drivers.base import parse_json_line
-from drivers.replay import Entry
 from drivers.transport import TransportClosed
+from tests.support.replay import Entry
 
 PI_DIRECTIONS = ("in", "out")  # (sent to pi, printed by pi)
 
@@ -101,7 +101,7 @@ class ScriptedPiTransport:
                     if prompts:  # line mode has no `in` entries: answer the driver's latest prompt
                         self._idmap[obj.get("id")] = prompts[-1]
                 if obj.get("id") in self._idmap:
-                    obj = {**obj, "id": self._idmap[obj["id"]]}
+                    obj = {**obj, "id": self._idmap[obj.get("id")]}
                     line = json.dumps(obj, ensure_ascii=False).encode()
             return self._deliver(line)
 

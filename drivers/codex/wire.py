@@ -1,7 +1,7 @@
 """Codex ``app-server`` wire protocol (0.171.0): message kinds, the per-turn tracker, errors.
 
 Pure and synchronous, so recorded streams replay without a process. The session logic
-(sending, reading, timeouts) lives in :mod:`drivers.codex`.
+(sending, reading, timeouts) lives in :mod:`drivers.codex.session`.
 
 Wire facts this relies on (protocols/codex.md §4-§9, re-checked on captures under
 tests/data/codex/): JSON-RPC without the ``jsonrpc`` member; the server's own requests carry

@@ -32,9 +32,11 @@ import posixpath
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from drivers.launch import FileSpec
-from drivers.models import GatewayConfig, MemberPaths
+from drivers.base import Launch
+from drivers.launch import FileSpec, LaunchSpec
+from drivers.models import GatewayConfig, Locator, MemberPaths
 
+RUNTIME = "codex"
 KEY_ENV = "CLOUD_AGENT_CODEX_API_KEY"
 PROVIDER_ID = "cloud_agent"
 
@@ -101,7 +103,7 @@ def render_config(paths: MemberPaths, gateway: GatewayConfig, settings: CodexSet
         f"stream_max_retries = {int(settings.stream_max_retries)}",
         f"stream_idle_timeout_ms = {int(settings.stream_idle_timeout_ms)}",
         "",
-        "# Pre-answers the trust entry Codex would append on thread/start (see drivers/codex_config.py).",
+        "# Pre-answers the trust entry Codex would append on thread/start (see drivers/codex/launch.py).",
         f"[projects.{toml_str(paths.workspace)}]",
         f"trust_level = {toml_str(trust)}",
         "",
@@ -114,3 +116,19 @@ def config_file(paths: MemberPaths, gateway: GatewayConfig, settings: CodexSetti
     # it (sandbox manager, test harness) may not be the uid Codex runs as.
     return FileSpec(path=posixpath.join(codex_home(paths), "config.toml"),
                     content=render_config(paths, gateway, settings), mode=0o644, overwrite=True)
+
+
+def plan(settings: CodexSettings, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
+    home = codex_home(paths)
+    spec = LaunchSpec(
+        runtime=RUNTIME,
+        # --strict-config: a config field this version does not know fails the launch
+        # instead of being silently ignored.
+        argv=[settings.binary, "app-server", "--strict-config"],
+        cwd=paths.workspace,
+        env={"CODEX_HOME": home, "HOME": paths.home},
+        secret_env={KEY_ENV: gateway.key},
+        files=[config_file(paths, gateway, settings)],
+        dirs=[paths.home, home, paths.workspace, paths.run_dir],
+    )
+    return Launch(spec=spec, expected=resume, resume=resume is not None)

@@ -1,7 +1,7 @@
 """Codex driver: ``codex app-server`` over stdio JSON-RPC (pinned @openai/codex 0.171.0).
 
-Launch, config and model-slug decisions: :mod:`drivers.codex_config`. Wire parsing and the
-settlement rule: :mod:`drivers.codex_protocol`. This module holds the session logic.
+Launch, config and model-slug decisions: :mod:`drivers.codex.launch`. Wire parsing and the
+settlement rule: :mod:`drivers.codex.wire`. This module holds the session logic.
 
 Identity: the locator is the thread id. A NEW thread id exists right after ``thread/start``
 but the thread is only written to disk once a ``turn/start`` succeeded (zero-turn threads
@@ -18,8 +18,9 @@ from typing import Any
 import anyio
 
 from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, as_dict, discard
-from drivers.codex_config import KEY_ENV, CodexSettings, codex_home, config_file
-from drivers.codex_protocol import (
+from drivers.codex import launch as plans
+from drivers.codex.launch import CodexSettings, codex_home
+from drivers.codex.wire import (
     Kind,
     TurnTracker,
     answer_server_request,
@@ -27,7 +28,6 @@ from drivers.codex_protocol import (
     resume_failure,
     rpc_error_message,
 )
-from drivers.launch import LaunchSpec
 from drivers.models import (
     GatewayConfig,
     HandshakeFailed,
@@ -363,19 +363,7 @@ class CodexDriver(Driver):
         self.settings = CodexSettings(**{**base.model_dump(), **overrides}) if overrides else base
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
-        home = codex_home(paths)
-        spec = LaunchSpec(
-            runtime=self.runtime,
-            # --strict-config: a config field this version does not know fails the launch
-            # instead of being silently ignored.
-            argv=[self.settings.binary, "app-server", "--strict-config"],
-            cwd=paths.workspace,
-            env={"CODEX_HOME": home, "HOME": paths.home},
-            secret_env={KEY_ENV: gateway.key},
-            files=[config_file(paths, gateway, self.settings)],
-            dirs=[paths.home, home, paths.workspace, paths.run_dir],
-        )
-        return Launch(spec=spec, expected=resume, resume=resume is not None)
+        return plans.plan(self.settings, paths, gateway, resume)
 
     def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, source: Locator) -> Launch:
         """The process that forks ``source`` (use :meth:`CodexSession.fork` after the handshake).

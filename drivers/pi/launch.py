@@ -35,9 +35,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from drivers.launch import FileSpec
-from drivers.models import GatewayConfig, MemberPaths
+from drivers.base import Launch
+from drivers.launch import FileSpec, HeaderCheck, LaunchSpec
+from drivers.models import GatewayConfig, Locator, MemberPaths
 
+RUNTIME = "pi"
 KEY_ENV = "CA_PI_GATEWAY_KEY"
 PROVIDER = "gateway"
 # Hermetic: no extensions/skills/prompt templates/AGENTS.md/themes from the workspace or home.
@@ -127,3 +129,33 @@ def argv(settings: PiSettings, session_path: str, session_dir: str) -> list[str]
     # --session-dir: where fork/clone write their new file (the member's own dir); it does not
     # move the --session file itself.
     return [settings.binary, "--mode", "rpc", *HERMETIC_FLAGS, "--session", session_path, "--session-dir", session_dir]
+
+
+def planned_path(spec: LaunchSpec) -> str | None:
+    """The ``--session`` path of a planned command line."""
+    args = spec.argv
+    for i, a in enumerate(args[:-1]):
+        if a == "--session":
+            return args[i + 1]
+    return None
+
+
+def plan(settings: PiSettings, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
+    if resume is not None and not resume.path:
+        raise ValueError(f"a pi locator needs the session file path: {resume!r}")
+    path = resume.path if resume is not None else new_session_path(paths)
+    assert path is not None
+    spec = LaunchSpec(
+        runtime=RUNTIME,
+        argv=argv(settings, path, sessions_dir(paths)),
+        cwd=paths.workspace,
+        env=environment(paths, settings),
+        secret_env={KEY_ENV: gateway.key},
+        files=config_files(paths, gateway, settings),
+        dirs=[paths.home, agent_dir(paths), sessions_dir(paths), paths.workspace, paths.run_dir],
+        # RESTORED: the file must exist and carry the saved id, or pi would start a new
+        # session at that path (protocols/pi.md §5) — the launcher refuses first.
+        require_files=[path] if resume is not None else [],
+        require_header=HeaderCheck(path=path, key="id", value=resume.id) if resume is not None else None,
+    )
+    return Launch(spec=spec, expected=resume, resume=resume is not None)

@@ -1,6 +1,6 @@
-"""The bridge's line protocol on the driver side: handshake, turns, settlement, fork.
+"""OpenCode / Kilo sessions over the live bridge: handshake, turns, settlement, fork.
 
-Bridge events (stdout of ``http-agent-live-bridge``) become normalized driver events; the
+Launch plans: :mod:`drivers.bridge.launch`; line parsing: :mod:`drivers.bridge.wire`. The
 bridge's ``settled`` for the active turn id is the only settlement evidence (SPEC section 5).
 """
 
@@ -10,32 +10,28 @@ from typing import Any
 
 import anyio
 
-from drivers.base import EventSink, Launch, LaunchError, NativeSession, discard
+from collections.abc import Mapping, Sequence
+
+from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, discard
+from drivers.bridge import launch as plans
+from drivers.bridge.launch import BRIDGE_COMMAND, IMAGE_PATH
+from drivers.bridge.wire import _REJECTED, driver_events, settlement_from
 from drivers.models import (
-    DriverEvent,
-    FailureReason,
+    GatewayConfig,
     HandshakeFailed,
     HandshakeReason,
     Locator,
-    Notice,
+    MemberPaths,
     NotSettled,
     NotSettledReason,
-    RetryNotice,
-    Settlement,
     TextDelta,
-    ToolFinished,
-    ToolStarted,
     TurnOutcome,
 )
-from drivers.reasons import classify_failure
 from drivers.transport import Transport, TransportClosed
 
 HANDSHAKE_TIMEOUT_S = 180.0  # server start is CPU-heavy (4-8 s alone; far more on a loaded host)
 ABORT_GRACE_S = 10.0  # after a timeout: how long the native abort may take to settle
 COMMAND_TIMEOUT_S = 30.0
-# Causes the bridge reports when it ended the turn itself: all are aborts of the native turn.
-_BRIDGE_ABORTS = {"aborted", "stream_lost", "permission_failed", "question_failed"}
-_REJECTED = {"prompt_rejected", "busy", "no_session", "bad_command", "unknown_command", "aborted"}
 
 
 class BridgeCommandError(Exception):
@@ -49,64 +45,6 @@ def pinned_helper_version() -> int:
     from images.pins import load_pins
 
     return load_pins().helper.version
-
-
-def failure_reason(obj: dict[str, Any]) -> FailureReason | None:
-    """The failure reason of a ``settled`` line (None for a successful turn)."""
-    if obj.get("ok") is True:
-        return None
-    if obj.get("reason") in _BRIDGE_ABORTS:
-        return FailureReason.ABORTED
-    err = obj.get("error") if isinstance(obj.get("error"), dict) else {}
-    if err.get("name") == "MessageOutputLengthError":
-        return FailureReason.TRUNCATED
-    status = err.get("status") if isinstance(err.get("status"), int) else None
-    return classify_failure(err.get("name"), err.get("message"), status=status)
-
-
-def settlement_from(obj: dict[str, Any], runtime: str) -> Settlement:
-    ok = obj.get("ok") is True
-    sid = obj.get("session_id")
-    err = obj.get("error") if isinstance(obj.get("error"), dict) else {}
-    detail = None if ok else (str(err.get("message") or "") or str(obj.get("reason") or "")) or None
-    if not ok and obj.get("reason") in _BRIDGE_ABORTS:
-        detail = f"{obj.get('reason')}: {detail}" if detail and detail != obj.get("reason") else obj.get("reason")
-    text = obj.get("text")
-    return Settlement(evidence=f"{runtime}:bridge.settled", is_error=not ok, reason=failure_reason(obj), detail=detail,
-                      observed_locator=Locator(id=sid) if isinstance(sid, str) and sid else None,
-                      assistant_text=text if isinstance(text, str) else "", raw=[obj])
-
-
-def driver_events(obj: dict[str, Any], started: set[str]) -> list[DriverEvent]:
-    """Normalized events for one bridge line of the active turn (``started``: tool call ids seen)."""
-    kind = obj.get("type")
-    if kind == "text" and isinstance(obj.get("delta"), str):
-        return [TextDelta(text=obj["delta"], raw=obj)]
-    if kind == "tool":
-        call = str(obj.get("call_id") or "")
-        status = obj.get("status")
-        if obj.get("root") is not True:
-            return [Notice(name="subagent_tool", detail=f"{obj.get('tool')} {status}", raw=obj)]
-        out: list[DriverEvent] = []
-        if status in ("pending", "running", "completed", "error") and call not in started:
-            started.add(call)
-            out.append(ToolStarted(call_id=call, tool=str(obj.get("tool") or ""), input=obj.get("input"), raw=obj))
-        if status in ("completed", "error"):
-            output = obj.get("output") if status == "completed" else obj.get("error")
-            out.append(ToolFinished(call_id=call, is_error=status == "error",
-                                    output=output if isinstance(output, str) else None, raw=obj))
-        return out
-    if kind == "status":
-        status = obj.get("status") if isinstance(obj.get("status"), dict) else {}
-        if status.get("type") == "retry":
-            attempt = status.get("attempt") if isinstance(status.get("attempt"), int) else None
-            return [RetryNotice(attempt=attempt, detail=str(status.get("message") or "") or None, raw=obj)]
-        return [Notice(name=f"status:{status.get('type')}", detail=str(status.get("message") or "") or None, raw=obj)]
-    if kind in ("permission", "question", "network"):
-        ok = obj.get("ok")
-        what = obj.get("permission") if kind == "permission" else obj.get("answers") if kind == "question" else obj.get("message")
-        return [Notice(name=kind, detail=f"{what} ok={ok}", raw=obj)]
-    return []
 
 
 class BridgeSession(NativeSession):
@@ -277,3 +215,35 @@ class BridgeSession(NativeSession):
         except TransportClosed:
             pass
         await self.transport.close()
+
+
+class BridgeDriver(Driver):
+    """``BridgeDriver("opencode")`` / ``BridgeDriver("kilo")``.
+
+    ``bridge_args`` are extra bridge options (tests: ``--test-seams``,
+    ``--test-fail-permission-replies N``); ``config_overrides`` are merged into the server
+    config (tests: ``{"permission": {"bash": "ask"}}``); ``path`` is the PATH the bridge
+    and server see (the image's by default).
+    """
+
+    runtime = "bridge"
+
+    def __init__(self, runtime: str, *, bridge_args: Sequence[str] = (),
+                 config_overrides: Mapping[str, Any] | None = None, path: str = IMAGE_PATH,
+                 limits: Mapping[str, int] | None = None, bridge_command: Sequence[str] = (BRIDGE_COMMAND,)) -> None:
+        if runtime not in ("opencode", "kilo"):
+            raise ValueError(f"the bridge drives opencode or kilo, not {runtime!r}")
+        self.runtime = runtime  # type: ignore[misc] - one driver class, two runtimes
+        self.bridge_args = tuple(bridge_args)
+        self.config_overrides = dict(config_overrides or {})
+        self.path = path
+        self.limits = limits
+        self.bridge_command = tuple(bridge_command)
+
+    def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
+        return plans.plan(self.runtime, paths, gateway, resume, bridge_args=self.bridge_args,
+                          config_overrides=self.config_overrides, path=self.path, limits=self.limits,
+                          bridge_command=self.bridge_command)
+
+    def session(self, transport: Transport, launch: Launch) -> BridgeSession:
+        return BridgeSession(transport, launch, self.runtime)

@@ -18,9 +18,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from drivers.replay import read_jsonl, write_jsonl
+from tests.support.replay import read_jsonl, write_jsonl
 
-BRIDGE_PATH = Path(__file__).resolve().parent.parent / "images" / "sandbox" / "helpers" / "http-agent-live-bridge"
+BRIDGE_PATH = Path(__file__).resolve().parents[2] / "images" / "sandbox" / "helpers" / "http-agent-live-bridge"
 
 # Events no turn logic reads; dropped from committed captures to keep them small.
 NOISE = {"plugin.added", "catalog.updated", "sync", "integration.updated", "reference.updated", "indexing.status",

@@ -1,10 +1,11 @@
-"""OpenCode / Kilo driver: the launch of the in-sandbox live bridge (``http-agent-live-bridge``).
+"""OpenCode / Kilo: the launch of the in-sandbox live bridge (``http-agent-live-bridge``).
 
 OpenCode and Kilo have no stdio protocol: each serves a local HTTP API plus one SSE stream.
 The bridge (images/sandbox/helpers/http-agent-live-bridge) runs inside the sandbox, starts
 the server offline and speaks JSON lines, so this driver works over the same
 :class:`~drivers.transport.Transport` as every other one. The session logic (handshake,
-turns, settlement mapping) is in :mod:`drivers.bridge_session`.
+turns, settlement mapping) is in :mod:`drivers.bridge.session`, the line parsing in
+:mod:`drivers.bridge.wire`.
 
 Offline configuration (protocols/opencode-kilo.md sections 3-4, 11): HOME and every XDG_*
 directory under the member home; the config arrives inline (``*_CONFIG_CONTENT``) with one
@@ -21,11 +22,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from drivers.base import Driver, Launch
-from drivers.bridge_session import BridgeSession
+from drivers.base import Launch
 from drivers.launch import FileSpec, LaunchSpec
 from drivers.models import GatewayConfig, Locator, MemberPaths
-from drivers.transport import Transport
 
 BRIDGE_COMMAND = "http-agent-live-bridge"
 KEY_ENV = "CA_GATEWAY_KEY"
@@ -81,62 +80,38 @@ def server_config(gateway: GatewayConfig, *, limits: Mapping[str, int] | None = 
     return config
 
 
-class BridgeDriver(Driver):
-    """``BridgeDriver("opencode")`` / ``BridgeDriver("kilo")``.
-
-    ``bridge_args`` are extra bridge options (tests: ``--test-seams``,
-    ``--test-fail-permission-replies N``); ``config_overrides`` are merged into the server
-    config (tests: ``{"permission": {"bash": "ask"}}``); ``path`` is the PATH the bridge
-    and server see (the image's by default).
-    """
-
-    runtime = "bridge"
-
-    def __init__(self, runtime: str, *, bridge_args: Sequence[str] = (),
-                 config_overrides: Mapping[str, Any] | None = None, path: str = IMAGE_PATH,
-                 limits: Mapping[str, int] | None = None, bridge_command: Sequence[str] = (BRIDGE_COMMAND,)) -> None:
-        if runtime not in ("opencode", "kilo"):
-            raise ValueError(f"the bridge drives opencode or kilo, not {runtime!r}")
-        self.runtime = runtime  # type: ignore[misc] - one driver class, two runtimes
-        self.bridge_args = tuple(bridge_args)
-        self.config_overrides = dict(config_overrides or {})
-        self.path = path
-        self.limits = limits
-        self.bridge_command = tuple(bridge_command)
-
-    def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
-        home = paths.home
-        xdg = xdg_env(home)
-        prefix = "OPENCODE" if self.runtime == "opencode" else "KILO"
-        config = server_config(gateway, limits=self.limits, overrides=self.config_overrides)
-        env = {"PATH": self.path, "LANG": "C.UTF-8", **xdg,
-               f"{prefix}_CONFIG_CONTENT": json.dumps(config),
-               f"{prefix}_DISABLE_MODELS_FETCH": "1", f"{prefix}_DISABLE_AUTOUPDATE": "1",
-               f"{prefix}_DISABLE_LSP_DOWNLOAD": "1", f"{prefix}_DISABLE_SHARE": "1"}
-        files: list[FileSpec] = []
-        dirs = [home, *xdg.values(), paths.workspace, paths.run_dir]
-        if self.runtime == "opencode":
-            cfg_dir = f"{xdg['XDG_CONFIG_HOME']}/opencode"
-            dirs.append(f"{cfg_dir}/node_modules")
-            dep = {"@opencode-ai/plugin": PLUGIN_VERSION}
-            files += [
-                FileSpec(path=f"{cfg_dir}/package.json", content=json.dumps({"dependencies": dep}) + "\n"),
-                FileSpec(path=f"{cfg_dir}/package-lock.json",
-                         content=json.dumps({"lockfileVersion": 3, "packages": {"": {"dependencies": dep}}}) + "\n"),
-            ]
-        else:
-            env.update(KILO_TELEMETRY_LEVEL="off", KILO_DISABLE_SESSION_INGEST="1", KILO_NO_DAEMON="1")
-        spec = LaunchSpec(
-            runtime=self.runtime,
-            argv=[*self.bridge_command, "--runtime", self.runtime, *self.bridge_args],
-            cwd=paths.workspace,
-            env=env,
-            secret_env={KEY_ENV: gateway.key},
-            files=files,
-            dirs=dirs,
-            require_files=[native_db(self.runtime, home)] if resume is not None else [],
-        )
-        return Launch(spec=spec, expected=resume, resume=resume is not None)
-
-    def session(self, transport: Transport, launch: Launch) -> BridgeSession:
-        return BridgeSession(transport, launch, self.runtime)
+def plan(runtime: str, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None, *,
+         bridge_args: Sequence[str] = (), config_overrides: Mapping[str, Any] | None = None, path: str = IMAGE_PATH,
+         limits: Mapping[str, int] | None = None, bridge_command: Sequence[str] = (BRIDGE_COMMAND,)) -> Launch:
+    home = paths.home
+    xdg = xdg_env(home)
+    prefix = "OPENCODE" if runtime == "opencode" else "KILO"
+    config = server_config(gateway, limits=limits, overrides=config_overrides)
+    env = {"PATH": path, "LANG": "C.UTF-8", **xdg,
+           f"{prefix}_CONFIG_CONTENT": json.dumps(config),
+           f"{prefix}_DISABLE_MODELS_FETCH": "1", f"{prefix}_DISABLE_AUTOUPDATE": "1",
+           f"{prefix}_DISABLE_LSP_DOWNLOAD": "1", f"{prefix}_DISABLE_SHARE": "1"}
+    files: list[FileSpec] = []
+    dirs = [home, *xdg.values(), paths.workspace, paths.run_dir]
+    if runtime == "opencode":
+        cfg_dir = f"{xdg['XDG_CONFIG_HOME']}/opencode"
+        dirs.append(f"{cfg_dir}/node_modules")
+        dep = {"@opencode-ai/plugin": PLUGIN_VERSION}
+        files += [
+            FileSpec(path=f"{cfg_dir}/package.json", content=json.dumps({"dependencies": dep}) + "\n"),
+            FileSpec(path=f"{cfg_dir}/package-lock.json",
+                     content=json.dumps({"lockfileVersion": 3, "packages": {"": {"dependencies": dep}}}) + "\n"),
+        ]
+    else:
+        env.update(KILO_TELEMETRY_LEVEL="off", KILO_DISABLE_SESSION_INGEST="1", KILO_NO_DAEMON="1")
+    spec = LaunchSpec(
+        runtime=runtime,
+        argv=[*bridge_command, "--runtime", runtime, *bridge_args],
+        cwd=paths.workspace,
+        env=env,
+        secret_env={KEY_ENV: gateway.key},
+        files=files,
+        dirs=dirs,
+        require_files=[native_db(runtime, home)] if resume is not None else [],
+    )
+    return Launch(spec=spec, expected=resume, resume=resume is not None)

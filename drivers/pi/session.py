@@ -1,7 +1,7 @@
 """Pi driver: ``pi --mode rpc`` over stdio JSONL (pinned @mariozechner/pi-coding-agent 0.73.1).
 
-Configuration and launch decisions: :mod:`drivers.pi_config`. Wire parsing and the
-settlement rule (``agent_end`` + a ``get_state`` barrier): :mod:`drivers.pi_protocol`.
+Configuration and launch decisions: :mod:`drivers.pi.launch`. Wire parsing and the
+settlement rule (``agent_end`` + a ``get_state`` barrier): :mod:`drivers.pi.wire`.
 
 Identity: sessions are addressed by **path**. NEW picks ``<agentDir>/sessions/<uuid>.jsonl``
 and pi creates the session at exactly that path; its id comes from ``get_state``. The file
@@ -25,7 +25,6 @@ from typing import Any
 import anyio
 
 from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, as_dict, as_list, discard
-from drivers.launch import HeaderCheck, LaunchSpec
 from drivers.models import (
     GatewayConfig,
     HandshakeFailed,
@@ -36,17 +35,9 @@ from drivers.models import (
     NotSettledReason,
     TurnOutcome,
 )
-from drivers.pi_config import (
-    KEY_ENV,
-    PiSettings,
-    agent_dir,
-    argv,
-    config_files,
-    environment,
-    new_session_path,
-    sessions_dir,
-)
-from drivers.pi_protocol import PiTurn, state_locator
+from drivers.pi import launch as plans
+from drivers.pi.launch import PiSettings, planned_path, sessions_dir
+from drivers.pi.wire import PiTurn, state_locator
 from drivers.transport import Transport, TransportClosed
 
 __all__ = ["ForkFailed", "PiDriver", "PiSession", "PiSettings"]
@@ -54,15 +45,6 @@ __all__ = ["ForkFailed", "PiDriver", "PiSession", "PiSettings"]
 
 class ForkFailed(Exception):
     """``get_fork_messages`` / ``fork`` / ``clone`` was refused or did not yield a new session."""
-
-
-def planned_path(spec: LaunchSpec) -> str | None:
-    """The ``--session`` path of a planned command line."""
-    args = spec.argv
-    for i, a in enumerate(args[:-1]):
-        if a == "--session":
-            return args[i + 1]
-    return None
 
 
 class PiSession(NativeSession):
@@ -275,24 +257,7 @@ class PiDriver(Driver):
         self.settings = base.model_copy(update=overrides) if overrides else base
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
-        if resume is not None and not resume.path:
-            raise ValueError(f"a pi locator needs the session file path: {resume!r}")
-        path = resume.path if resume is not None else new_session_path(paths)
-        assert path is not None
-        spec = LaunchSpec(
-            runtime=self.runtime,
-            argv=argv(self.settings, path, sessions_dir(paths)),
-            cwd=paths.workspace,
-            env=environment(paths, self.settings),
-            secret_env={KEY_ENV: gateway.key},
-            files=config_files(paths, gateway, self.settings),
-            dirs=[paths.home, agent_dir(paths), sessions_dir(paths), paths.workspace, paths.run_dir],
-            # RESTORED: the file must exist and carry the saved id, or pi would start a new
-            # session at that path (protocols/pi.md §5) — the launcher refuses first.
-            require_files=[path] if resume is not None else [],
-            require_header=HeaderCheck(path=path, key="id", value=resume.id) if resume is not None else None,
-        )
-        return Launch(spec=spec, expected=resume, resume=resume is not None)
+        return plans.plan(self.settings, paths, gateway, resume)
 
     def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, source: Locator) -> Launch:
         """The process that forks ``source`` for a NEW member whose paths are ``paths``.

@@ -1,8 +1,8 @@
 """Recorded Codex app-server streams: a causal replay transport.
 
 Recordings (``send`` = what the driver wrote, ``recv`` = what Codex printed) are made with
-:class:`drivers.replay.RecordingTransport` by tests/cli/test_codex_driver.py
-(``CODEX_CAPTURE=1``) and read with :func:`drivers.replay.load_stream`.
+:class:`tests.support.replay.RecordingTransport` by tests/cli/test_codex_driver.py
+(``CODEX_CAPTURE=1``) and read with :func:`tests.support.replay.load_stream`.
 
 :class:`ReplayTransport` replays the ``recv`` lines. A recorded *response* is released only
 after the driver under test has really sent the request it answers (same id and method), so
@@ -18,8 +18,8 @@ from typing import Any, Literal
 import anyio
 
 from drivers.base import parse_json_line
-from drivers.replay import Entry
 from drivers.transport import TransportClosed
+from tests.support.replay import Entry
 
 
 class ReplayTransport:

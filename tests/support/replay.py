@@ -6,8 +6,8 @@ the order the driver saw them. The two directions are named by each CLI's record
 ``in``/``out`` for pi. The secret header never appears: ``LocalProcessTransport.start``
 sends it before any wrapper sees a line.
 
-The CLI-specific replay transports live next to their drivers: :mod:`drivers.codex_replay`
-(request-matching replay), :mod:`drivers.pi_replay` (scripted ``get_state`` answers);
+The CLI-specific replay transports live next to their drivers: :mod:`tests.support.codex_replay`
+(request-matching replay), :mod:`tests.support.pi_replay` (scripted ``get_state`` answers);
 Claude's recorded streams are replayed by tests/unit/test_claude_replay.py.
 """
 

@@ -1,32 +1,19 @@
 """Claude Code driver: ``claude -p`` in stream-json mode, one resident process per member.
 
-Launch (protocols/claude-code.md sections 2-3, 6-8, measured on the pinned 2.1.220):
-
-* NEW: the driver mints the session id (``--session-id``), so ``expected`` is known up front.
-* RESTORED: ``--resume <id>`` from the ORIGINAL cwd (2.1.220 keys transcripts by cwd and does
-  not find them from elsewhere), behind a launcher precheck that the transcript file exists —
-  a missing transcript therefore fails before the CLI starts, with no model request at all.
-* fork: ``--resume <parent> --fork-session --session-id <new>``; at a historical turn also
-  ``--resume-session-at <assistant uuid>`` (a hidden 2.1.220 flag), resolved from the
-  transcript inside the sandbox by :mod:`drivers.claude_fork_at`.
-
-Handshake: the control protocol's ``initialize`` request. 2.1.220 answers it only after it
-has loaded the resumed transcript; an unknown id prints an error ``result`` ("No conversation
-found…") and exits instead. Settlement: see :class:`drivers.claude_protocol.TurnTracker`,
-plus a short transcript-flush window (:attr:`ClaudeSettings.persist_grace_s`). Messages are
-sent unchanged; a leading ``/`` needs the trailing-empty-block form of
-:func:`drivers.claude_protocol.user_line` or the CLI would run it as a slash command.
+Launch plans: :mod:`drivers.claude.launch`. Handshake: the control protocol's ``initialize``
+request. 2.1.220 answers it only after it has loaded the resumed transcript; an unknown id
+prints an error ``result`` ("No conversation found…") and exits instead. Settlement: see
+:class:`drivers.claude.wire.TurnTracker`, plus a short transcript-flush window
+(:attr:`ClaudeSettings.persist_grace_s`). Messages are sent unchanged; a leading ``/`` needs the
+trailing-empty-block form of :func:`drivers.claude.wire.user_line` or the CLI would run it as a
+slash command.
 """
 
 from __future__ import annotations
 
-import re
-import uuid
-from pathlib import Path
 from typing import Any
 
 import anyio
-from pydantic import BaseModel, ConfigDict
 
 from drivers.base import (
     Driver,
@@ -36,18 +23,17 @@ from drivers.base import (
     NativeSession,
     discard,
 )
-from drivers.claude_protocol import (
+from drivers.claude import launch as plans
+from drivers.claude.launch import ClaudeSettings
+from drivers.claude.wire import (
     TurnTracker,
     control_error_reply,
     control_request,
     control_response_for,
-    is_uuid,
     result_errors,
     root_session_id,
-    transcript_path,
     user_line,
 )
-from drivers.launch import FileSpec, LaunchSpec
 from drivers.models import (
     GatewayConfig,
     HandshakeFailed,
@@ -61,46 +47,6 @@ from drivers.models import (
 )
 from drivers.transport import Transport, TransportClosed
 
-KEY_ENV = "ANTHROPIC_API_KEY"
-FORK_RESOLVER = "claude-fork-at.py"
-
-
-class ClaudeSettings(BaseModel):
-    """Knobs of the Claude driver (defaults are what the integration tests run)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    binary: str = "claude"
-    max_retries: int = 2  # CLAUDE_CODE_MAX_RETRIES; the CLI's default 10 means minutes of backoff
-    state_events: bool = True  # CLAUDE_CODE_EMIT_SESSION_STATE_EVENTS: settlement waits for idle
-    # The container is the security boundary: no permission prompts (nobody could answer
-    # them) and no auto-denials. As uid 1000 this needs no IS_SANDBOX (checked on 2.1.220).
-    permission_mode: str = "bypassPermissions"
-    handshake_timeout_s: float = 60.0
-    interrupt_grace_s: float = 5.0  # after a timeout: how long to let the interrupt land
-    # 2.1.220 batches transcript appends on a 100 ms timer (FLUSH_INTERVAL_MS) and prints
-    # result/idle without waiting for it: measured up to ~80 ms later. A process killed in
-    # that window loses the turn's tail (a resume then shows "No response requested.").
-    # The stream carries no flush signal, so the settlement is returned only after the
-    # process has stayed alive through this window (EOF inside it = not settled); 0 disables
-    # it (only safe when processes are always retired by stdin EOF, which flushes).
-    persist_grace_s: float = 0.2
-    path: str | None = None  # PATH for the CLI; None = the image's default
-    python: str = "python3"  # runs the fork-point resolver inside the sandbox
-
-
-def config_dir(paths: MemberPaths) -> str:
-    return f"{paths.home.rstrip('/')}/.claude"
-
-
-def tmp_dir(paths: MemberPaths) -> str:
-    return f"{paths.home.rstrip('/')}/tmp"
-
-
-def _safe_id(value: str) -> str:
-    """A locator id usable inside a path (a non-UUID can never name a transcript anyway)."""
-    return value if is_uuid(value) else re.sub(r"[^A-Za-z0-9-]", "_", value) or "_"
-
 
 class ClaudeDriver(Driver):
     runtime = "claude"
@@ -108,95 +54,17 @@ class ClaudeDriver(Driver):
     def __init__(self, settings: ClaudeSettings | None = None) -> None:
         self.settings = settings or ClaudeSettings()
 
-    # ---------------------------------------------------------------- launches
-
-    def _argv(self, gateway: GatewayConfig) -> list[str]:
-        return [self.settings.binary, "-p", "--output-format", "stream-json", "--input-format", "stream-json",
-                "--verbose", "--model", gateway.model, "--permission-mode", self.settings.permission_mode]
-
-    def _env(self, paths: MemberPaths, gateway: GatewayConfig) -> dict[str, str]:
-        tmp = tmp_dir(paths)
-        env = {
-            "HOME": paths.home,
-            "CLAUDE_CONFIG_DIR": config_dir(paths),
-            # otherwise it writes /tmp/claude-<uid>/ and /tmp/cc-socks/ (task output files too)
-            "TMPDIR": tmp,
-            "CLAUDE_CODE_TMPDIR": tmp,
-            "ANTHROPIC_BASE_URL": gateway.base_url.rstrip("/"),
-            # the one that stops DNS lookups and side traffic; 2.1.220 still sends one HEAD
-            # /api/hello preconnect to the base URL (not a model request)
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_AUTOUPDATER": "1",
-            "DISABLE_TELEMETRY": "1",
-            "DISABLE_ERROR_REPORTING": "1",
-            # subagents in the foreground: their events arrive before the parent's one result
-            "CLAUDE_CODE_DISABLE_BACKGROUND_TASKS": "1",
-            "CLAUDE_CODE_MAX_RETRIES": str(self.settings.max_retries),
-        }
-        if self.settings.state_events:
-            env["CLAUDE_CODE_EMIT_SESSION_STATE_EVENTS"] = "1"
-        if self.settings.path:
-            env["PATH"] = self.settings.path
-        return env
-
-    def _spec(self, paths: MemberPaths, gateway: GatewayConfig, argv: list[str], *,
-              require: list[str] | None = None, files: list[FileSpec] | None = None) -> LaunchSpec:
-        return LaunchSpec(
-            runtime=self.runtime,
-            argv=argv,
-            cwd=paths.workspace,
-            env=self._env(paths, gateway),
-            secret_env={KEY_ENV: gateway.key},
-            files=files or [],
-            dirs=[paths.home, config_dir(paths), tmp_dir(paths), paths.workspace, paths.run_dir],
-            require_files=require or [],
-        )
-
     def transcript(self, paths: MemberPaths, locator: Locator) -> str:
         """Where the CLI keeps ``locator``'s transcript (keyed by the ORIGINAL cwd)."""
-        return transcript_path(config_dir(paths), paths.workspace, _safe_id(locator.id))
+        return plans.transcript(paths, locator)
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
-        argv = self._argv(gateway)
-        if resume is None:
-            expected = Locator(id=str(uuid.uuid4()))
-            spec = self._spec(paths, gateway, argv + ["--session-id", expected.id])
-            return Launch(spec=spec, expected=expected, resume=False)
-        # The precheck turns a missing transcript into launch_error before the CLI (and its
-        # preconnect) ever starts: HandshakeFailed(native_state_missing), zero requests.
-        spec = self._spec(paths, gateway, argv + ["--resume", _safe_id(resume.id)],
-                          require=[self.transcript(paths, resume)])
-        return Launch(spec=spec, expected=resume, resume=True)
+        return plans.plan(self.settings, paths, gateway, resume)
 
     def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, parent: Locator, at_turn: int | None,
                   *, at_message: str | None = None) -> Launch:
-        """A NEW session id branched from ``parent`` (same ``paths``: same cwd and config dir).
-
-        ``at_turn=None`` forks the whole history. ``at_turn=N`` keeps the first N user prompts
-        of the parent's transcript and what answered them: the CLI's hidden
-        ``--resume-session-at <uuid of an assistant message>`` does the cut natively; the
-        uuid is found inside the sandbox by :mod:`drivers.claude_fork_at` (a launch_error when
-        the transcript has fewer turns). ``at_message`` names that assistant uuid directly
-        (e.g. :attr:`ClaudeSession.last_assistant_uuid` of an earlier turn).
-
-        The parent's transcript is never modified; the fork writes ``<new id>.jsonl``.
-        """
-        new = Locator(id=str(uuid.uuid4()))
-        parent_file = self.transcript(paths, parent)
-        argv = self._argv(gateway) + ["--resume", _safe_id(parent.id), "--fork-session", "--session-id", new.id]
-        files: list[FileSpec] = []
-        if at_message is not None:
-            argv += ["--resume-session-at", at_message]
-        elif at_turn is not None:
-            if at_turn < 1:
-                raise ValueError("at_turn counts kept user prompts and must be >= 1")
-            resolver = f"{paths.run_dir.rstrip('/')}/{FORK_RESOLVER}"
-            source = (Path(__file__).with_name("claude_fork_at.py")).read_text()
-            files.append(FileSpec(path=resolver, content=source, mode=0o644))
-            argv = [self.settings.python, resolver, "--transcript", parent_file, "--turn", str(at_turn), "--",
-                    *argv]
-        spec = self._spec(paths, gateway, argv, require=[parent_file], files=files)
-        return Launch(spec=spec, expected=new, resume=True)
+        """See :func:`drivers.claude.launch.plan_fork`."""
+        return plans.plan_fork(self.settings, paths, gateway, parent, at_turn, at_message=at_message)
 
     def session(self, transport: Transport, launch: Launch) -> "ClaudeSession":
         return ClaudeSession(transport, launch, self.settings)
@@ -219,7 +87,7 @@ class ClaudeSession(NativeSession):
     # ---------------------------------------------------------------- handshake
 
     def launch_failed(self, exc: LaunchError) -> HandshakeFailed:
-        if exc.payload.get("reason") == "fork_point_missing":  # drivers/claude_fork_at.py
+        if exc.payload.get("reason") == "fork_point_missing":  # drivers/claude/fork_at.py
             return HandshakeFailed(HandshakeReason.NATIVE_STATE_MISSING, str(exc))
         return super().launch_failed(exc)
 

@@ -26,6 +26,7 @@ from drivers.models import Locator
 from drivers.registry import get_driver
 from runner.processes import member_paths, start_in_sandbox
 from runner.residents import ResidentPool
+from runner.transport import exec_transport
 from runner.turn import TurnRunner, to_locator, to_saved
 from sandbox_manager.sandboxes import Sandbox, SandboxLost, SandboxManager
 from state.jobs import ForkRequest
@@ -115,7 +116,7 @@ class Forker:
             dirs = src_dirs
             launch = driver.plan(member_paths(dirs), gateway, parent)
         proc = await start_in_sandbox(self.manager, sandbox, dirs, launch, name="fork")
-        session = driver.session(proc.stream, launch)
+        session = driver.session(exec_transport(proc.stream), launch)
         try:
             with anyio.fail_after(self.runner.handshake_timeout_s):
                 await session.handshake()

@@ -32,6 +32,7 @@ from drivers.transport import Transport
 from images.pins import load_pins
 from runner.processes import member_paths, start_in_sandbox
 from runner.residents import Resident, ResidentPool
+from runner.transport import exec_transport
 from sandbox_manager.sandboxes import ImageRefused, Sandbox, SandboxLost, SandboxManager
 from state.jobs import Job
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
@@ -230,7 +231,7 @@ class TurnRunner:
         else:
             launch = driver.plan(member_paths(dirs), gateway, resume)
         proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
-        transport: Transport = proc.stream
+        transport: Transport = exec_transport(proc.stream)
         if self.hooks.wrap_transport is not None:
             transport = self.hooks.wrap_transport(transport, job.runtime)
         session = driver.session(transport, launch)

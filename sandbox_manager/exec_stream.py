@@ -24,10 +24,19 @@ class ExecStreamClosed(Exception):
     """The exec's stream ended; what the CLI wrote last is in :meth:`ExecStream.diagnostics`."""
 
 
+class ExecLineTooLong(ExecStreamClosed):
+    """A stdout line exceeded :attr:`ExecStream.max_line`: the stream cannot be framed further."""
+
+
 class ExecStream:
-    def __init__(self, stream: SocketStream, exec_id: str) -> None:
+    """Lines over an attached exec. The runner adapts it to the drivers' transport contract
+    (runner/transport.py); this module knows nothing of drivers."""
+
+    def __init__(self, stream: SocketStream, exec_id: str, *, max_line: int = MAX_LINE_BYTES) -> None:
         self._stream = stream
         self.exec_id = exec_id
+        self.max_line = max_line  # bound on one stdout line (memory, and a runaway CLI)
+        self._broken = False
         self._raw = bytearray()  # undemultiplexed bytes
         self._stdout = bytearray()
         self._stderr: deque[bytes] = deque()
@@ -59,12 +68,13 @@ class ExecStream:
     async def receive(self) -> bytes | None:
         while True:
             idx = self._stdout.find(b"\n")
+            if idx > self.max_line or (idx < 0 and len(self._stdout) > self.max_line):
+                self._broken = True
+                raise ExecLineTooLong(f"line longer than {self.max_line} bytes")
             if idx >= 0:
                 line = bytes(self._stdout[:idx])
                 del self._stdout[: idx + 1]
                 return line[:-1] if line.endswith(b"\r") else line
-            if len(self._stdout) > MAX_LINE_BYTES:
-                raise ExecStreamClosed(f"line longer than {MAX_LINE_BYTES} bytes")
             if self._eof:
                 if self._stdout:
                     line = bytes(self._stdout)
@@ -99,7 +109,7 @@ class ExecStream:
 
     @property
     def alive(self) -> bool:
-        return not self._eof and not self._closed_write and not self._closed
+        return not self._eof and not self._closed_write and not self._closed and not self._broken
 
     def diagnostics(self) -> str:
         return b"".join(self._stderr).decode(errors="replace")

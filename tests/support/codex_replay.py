@@ -18,11 +18,11 @@ from typing import Any, Literal
 import anyio
 
 from drivers.base import parse_json_line
-from drivers.transport import TransportClosed
-from tests.support.replay import Entry
+from drivers.transport import MAX_LINE_BYTES
+from tests.support.replay import Entry, ReplayBase
 
 
-class ReplayTransport:
+class ReplayTransport(ReplayBase):
     """Replays recorded ``recv`` lines; see the module docstring for the causality rule.
 
     ``at_end``: ``"eof"`` ends the stream after the last line (a dead process), ``"hang"``
@@ -31,7 +31,8 @@ class ReplayTransport:
     """
 
     def __init__(self, entries: list[Entry] | list[bytes], *, at_end: Literal["eof", "hang"] = "eof",
-                 causal: bool = True) -> None:
+                 causal: bool = True, max_line: int = MAX_LINE_BYTES) -> None:
+        super().__init__(max_line=max_line)
         norm = [e if isinstance(e, tuple) else ("recv", e) for e in entries]
         self._lines = [line for d, line in norm if d == "recv"]
         self._requests: dict[Any, str] = {}  # recorded request id -> method
@@ -45,14 +46,12 @@ class ReplayTransport:
         self.sent: list[bytes] = []
         self.mismatches: list[str] = []
         self.delivered = 0
-        self._closed = False
 
     def _event(self, rid: Any) -> anyio.Event:
         return self._sent_ids.setdefault(json.dumps(rid), anyio.Event())
 
     async def send(self, line: bytes) -> None:
-        if self._closed:
-            raise TransportClosed("replay: stdin closed")
+        self._check_open()
         line = line.rstrip(b"\n")
         self.sent.append(line)
         obj = parse_json_line(line)
@@ -66,23 +65,18 @@ class ReplayTransport:
         if self.delivered >= len(self._lines):
             if self._at_end == "hang":
                 await anyio.sleep_forever()
+            self._end()
             return None
-        line = self._lines[self.delivered]
+        line = self._checked(self._lines[self.delivered])
         obj = parse_json_line(line) if self._causal else None
         if obj and "method" not in obj and json.dumps(obj.get("id")) in self._requests:
             await self._event(obj["id"]).wait()
         self.delivered += 1
         return line
 
-    async def close(self) -> None:
-        self._closed = True
-
     @property
     def alive(self) -> bool:
-        return not self._closed and (self._at_end == "hang" or self.delivered < len(self._lines))
-
-    def diagnostics(self) -> str:
-        return ""
+        return super().alive and (self._at_end == "hang" or self.delivered < len(self._lines))
 
     def sent_objects(self) -> list[dict[str, Any]]:
         return [o for o in map(parse_json_line, self.sent) if o is not None]

@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import Process
 
 from drivers.launch import LaunchSpec
-from drivers.transport import LineBuffer, TransportClosed
+from drivers.transport import MAX_LINE_BYTES, LineBuffer, LineTooLong, TransportClosed
 
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = REPO / "images" / "sandbox" / "helpers"
@@ -30,17 +30,20 @@ class LocalProcessTransport:
     CLI can never block on a full stderr pipe.
     """
 
-    def __init__(self, process: Process, stderr_path: Path, pidfile: Path) -> None:
+    def __init__(self, process: Process, stderr_path: Path, pidfile: Path, *, max_line: int = MAX_LINE_BYTES) -> None:
         self._proc = process
         self._stderr_path = stderr_path
         self._pidfile = pidfile
-        self._lines = LineBuffer()
+        self._lines = LineBuffer(max_line)
         self._eof = False
+        self._ended = False  # receive() has returned None
+        self._broken = False  # a line overran the bound: no further framing is possible
         self._closed = False
 
     @classmethod
     async def start(cls, spec: LaunchSpec, *, launcher: tuple[str, ...] | None = None,
-                    run_dir: Path | None = None, exec_prefix: tuple[str, ...] = ()) -> "LocalProcessTransport":
+                    run_dir: Path | None = None, exec_prefix: tuple[str, ...] = (),
+                    max_line: int = MAX_LINE_BYTES) -> "LocalProcessTransport":
         """Start ``spec`` as a local subprocess.
 
         ``exec_prefix`` runs the launcher through another local command, e.g.
@@ -65,7 +68,7 @@ class LocalProcessTransport:
                                             start_new_session=False)
         finally:
             stderr.close()
-        t = cls(proc, stderr_path, pidfile)
+        t = cls(proc, stderr_path, pidfile, max_line=max_line)
         header = spec.secret_header_line()
         if header is not None:
             await t.send(header)
@@ -78,16 +81,22 @@ class LocalProcessTransport:
             line += b"\n"
         try:
             await self._proc.stdin.send(line)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BrokenPipeError) as exc:
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             raise TransportClosed(f"process stdin is gone: {exc!r}") from exc
 
     async def receive(self) -> bytes | None:
         while True:
-            line = self._lines.pop_line()
+            try:
+                line = self._lines.pop_line()
+            except LineTooLong:
+                self._broken = True
+                raise
             if line is not None:
                 return line
             if self._eof:
-                return self._lines.rest()
+                line = self._lines.rest()
+                self._ended = line is None
+                return line
             assert self._proc.stdout is not None
             try:
                 chunk = await self._proc.stdout.receive(65536)
@@ -109,7 +118,7 @@ class LocalProcessTransport:
 
     @property
     def alive(self) -> bool:
-        return not self._eof and not self._closed and self._proc.returncode is None
+        return not (self._ended or self._broken or self._closed) and self._proc.returncode is None
 
     @property
     def returncode(self) -> int | None:

@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 
 from drivers.base import parse_json_line
-from drivers.transport import TransportClosed
-from tests.support.replay import Entry
+from drivers.transport import MAX_LINE_BYTES
+from tests.support.replay import Entry, ReplayBase
 
 PI_DIRECTIONS = ("in", "out")  # (sent to pi, printed by pi)
 
@@ -31,7 +31,7 @@ DEFAULT_STATE: dict[str, Any] = {
 }
 
 
-class ScriptedPiTransport:
+class ScriptedPiTransport(ReplayBase):
     """Replays a recording (or plain ``out`` lines) to a driver.
 
     ``auto_state``: answer every ``get_state`` at once with this state (recorded
@@ -40,7 +40,8 @@ class ScriptedPiTransport:
     """
 
     def __init__(self, entries: list[Entry] | list[bytes], *, auto_state: dict[str, Any] | None = None,
-                 hold_open: bool = False) -> None:
+                 hold_open: bool = False, max_line: int = MAX_LINE_BYTES) -> None:
+        super().__init__(max_line=max_line)
         self.entries: list[Entry] = [e if isinstance(e, tuple) else ("out", e) for e in entries]
         self.auto_state = auto_state
         self.hold_open = hold_open
@@ -52,11 +53,9 @@ class ScriptedPiTransport:
         self._idmap: dict[str, Any] = {}
         self._pos = 0
         self._wake = anyio.Event()
-        self._closed = False
 
     async def send(self, line: bytes) -> None:
-        if self._closed:
-            raise TransportClosed("stdin already closed")
+        self._check_open()
         obj = parse_json_line(line)
         if obj is None:
             raise ValueError(f"driver sent a non-JSON line: {line[:200]!r}")
@@ -77,6 +76,7 @@ class ScriptedPiTransport:
                 if self.hold_open and not self._closed:
                     await self._wait()
                     continue
+                self._end()
                 return None
             direction, line = self.entries[self._pos]
             if direction == "in":
@@ -106,7 +106,7 @@ class ScriptedPiTransport:
             return self._deliver(line)
 
     def _deliver(self, line: bytes) -> bytes:
-        self.delivered.append(line)
+        self.delivered.append(self._checked(line))
         return line
 
     async def _wait(self) -> None:
@@ -114,15 +114,8 @@ class ScriptedPiTransport:
         await self._wake.wait()
 
     async def close(self) -> None:
-        self._closed = True
+        await super().close()
         self._wake.set()
-
-    @property
-    def alive(self) -> bool:
-        return not self._closed
-
-    def diagnostics(self) -> str:
-        return ""
 
     def commands(self, ctype: str) -> list[dict[str, Any]]:
         return [c for c in self.sent if c.get("type") == ctype]

@@ -6,9 +6,11 @@ the order the driver saw them. The two directions are named by each CLI's record
 ``in``/``out`` for pi. The secret header never appears: ``LocalProcessTransport.start``
 sends it before any wrapper sees a line.
 
-The CLI-specific replay transports live next to their drivers: :mod:`tests.support.codex_replay`
-(request-matching replay), :mod:`tests.support.pi_replay` (scripted ``get_state`` answers);
-Claude's recorded streams are replayed by tests/unit/test_claude_replay.py.
+The CLI-specific replay transports: :mod:`tests.support.codex_replay` (request-matching
+replay), :mod:`tests.support.pi_replay` (scripted ``get_state`` answers),
+:mod:`tests.support.claude_replay` (order-matching replay). Each keeps the transport contract
+(drivers/transport.py) through :class:`ReplayBase`, so a driver meets the same errors in a
+replay as over a real stream.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from drivers.transport import Transport, TransportWrapper
+from drivers.transport import MAX_LINE_BYTES, LineTooLong, Transport, TransportClosed, TransportWrapper
 
 Entry = tuple[str, bytes]  # (direction, raw line without its newline)
 SEND_RECV = ("send", "recv")
@@ -60,3 +62,38 @@ class RecordingTransport(TransportWrapper):
         if line is not None:
             self.entries.append((self.directions[1], line))
         return line
+
+
+class ReplayBase:
+    """The contract part every replay transport shares: ``close()`` makes ``send`` raise
+    :class:`TransportClosed`; a recorded line over ``max_line`` raises :class:`LineTooLong`;
+    once the script is over (``None`` returned) or broken, ``alive`` is false."""
+
+    def __init__(self, *, max_line: int = MAX_LINE_BYTES) -> None:
+        self.max_line = max_line
+        self._closed = False
+        self._ended = False
+        self._broken = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed("replay: stdin already closed")
+
+    def _checked(self, line: bytes) -> bytes:
+        if self._broken or len(line) > self.max_line:
+            self._broken = True
+            raise LineTooLong(f"replay: line longer than {self.max_line} bytes")
+        return line
+
+    def _end(self) -> None:
+        self._ended = True
+
+    async def close(self) -> None:
+        self._closed = True
+
+    @property
+    def alive(self) -> bool:
+        return not (self._closed or self._ended or self._broken)
+
+    def diagnostics(self) -> str:
+        return ""

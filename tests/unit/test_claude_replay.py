@@ -31,13 +31,11 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.transport import TransportClosed
+from tests.support.claude_replay import ScriptedTransport, Step
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "claude"
 SETTINGS = ClaudeSettings(persist_grace_s=0, handshake_timeout_s=5, interrupt_grace_s=1)
 OTHER = "99999999-aaaa-4bbb-8ccc-dddddddddddd"
-
-Step = tuple[str, Any]  # ("send", obj) | ("recv", obj or raw bytes)
-
 
 def load_stream(name: str) -> tuple[dict[str, Any], list[Step]]:
     lines = (DATA / f"{name}.jsonl").read_text().splitlines()
@@ -47,68 +45,6 @@ def load_stream(name: str) -> tuple[dict[str, Any], list[Step]]:
         rec = json.loads(line)
         steps.append((rec["d"], rec["o"] if "o" in rec else rec["raw"].encode()))
     return header, steps
-
-
-class ScriptedTransport:
-    """Replays recorded CLI lines. A recorded ``send`` step holds the replay until the driver
-    has sent its next line, so lines arrive in the order the real CLI produced them; request
-    ids of recorded control responses are rewritten to the ids the driver really used."""
-
-    def __init__(self, steps: list[Step], *, hold_open: bool = False) -> None:
-        self.hold_open = hold_open  # after the last line: stay open (a live idle CLI), not EOF
-        self.steps = list(steps)
-        self.pos = 0
-        self.sent: list[dict[str, Any]] = []
-        self.matched = 0  # driver sends matched against recorded send steps
-        self.ids: dict[str, str] = {}
-        self._wake = anyio.Event()
-        self.closed = False
-        self.received = 0
-
-    async def send(self, line: bytes) -> None:
-        if self.closed:
-            raise TransportClosed("stdin already closed")
-        self.sent.append(json.loads(line))
-        self._wake.set()
-
-    async def receive(self) -> bytes | None:
-        while self.pos < len(self.steps):
-            direction, item = self.steps[self.pos]
-            if direction == "send":
-                while self.matched >= len(self.sent):
-                    self._wake = anyio.Event()
-                    await self._wake.wait()
-                actual = self.sent[self.matched]
-                if isinstance(item, dict) and "request_id" in item and "request_id" in actual:
-                    self.ids[item["request_id"]] = actual["request_id"]
-                self.matched += 1
-                self.pos += 1
-                continue
-            self.pos += 1
-            self.received += 1
-            if isinstance(item, bytes):
-                return item
-            obj = item
-            resp = obj.get("response") if obj.get("type") == "control_response" else None
-            if isinstance(resp, dict) and resp.get("request_id") in self.ids:
-                obj = {**obj, "response": {**resp, "request_id": self.ids[resp["request_id"]]}}
-            return json.dumps(obj, ensure_ascii=False).encode()
-        if self.hold_open:
-            await anyio.sleep_forever()
-        return None
-
-    async def close(self) -> None:
-        self.closed = True
-
-    @property
-    def alive(self) -> bool:
-        return not self.closed and self.pos < len(self.steps)
-
-    def diagnostics(self) -> str:
-        return ""
-
-    def sent_subtypes(self) -> list[str]:
-        return [o["request"]["subtype"] for o in self.sent if o.get("type") == "control_request"]
 
 
 def make_session(steps: list[Step], expected: str | None, *, resume: bool = False,

@@ -1,11 +1,11 @@
 """The driver interface: one per CLI protocol, no Docker knowledge.
 
-A :class:`Driver` is stateless: it says how to launch its CLI (:meth:`Driver.plan`) and
-wraps a started process's :class:`~drivers.transport.Transport` in a
-:class:`NativeSession`. The session runs the native handshake (NEW or RESTORED), then
-turns: it sends the user message unchanged, emits normalized events, and returns a
-:class:`~drivers.models.Settlement` only on the CLI's own evidence — anything else is a
-:class:`~drivers.models.NotSettled`.
+A :class:`Driver` is stateless: it says how to launch its CLI (:meth:`Driver.plan`,
+:meth:`Driver.plan_fork`) and wraps a started process's :class:`~drivers.transport.Transport`
+in a :class:`~drivers.session.NativeSession` (the turn template). The session runs the native
+handshake (NEW or RESTORED), then turns: it sends the user message unchanged, emits normalized
+events, and returns a :class:`~drivers.models.Settlement` only on the CLI's own evidence —
+anything else is a :class:`~drivers.models.NotSettled`.
 """
 
 from __future__ import annotations
@@ -13,27 +13,17 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import anyio
-import structlog
 from pydantic import BaseModel, ConfigDict
 
 from drivers.launch import LaunchSpec
-from drivers.models import (
-    DriverEvent,
-    GatewayConfig,
-    HandshakeFailed,
-    HandshakeReason,
-    Locator,
-    MemberPaths,
-    NotSettled,
-    NotSettledReason,
-    TurnOutcome,
-)
-from drivers.transport import Transport, TransportClosed
+from drivers.models import DriverEvent, GatewayConfig, Locator, MemberPaths
+from drivers.transport import Transport
 
-log = structlog.get_logger("driver")
+if TYPE_CHECKING:
+    from drivers.session import NativeSession
 
 EventSink = Callable[[DriverEvent], None]
 
@@ -88,80 +78,41 @@ def as_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class NativeSession(ABC):
-    """One CLI process serving one member."""
+class ForkFailed(Exception):
+    """A native fork was refused or did not yield a new session of ours."""
 
-    runtime: ClassVar[str]
 
-    def __init__(self, transport: Transport, launch: Launch) -> None:
-        self.transport = transport
-        self.launch = launch
-        self.expected: Locator | None = launch.expected
-        self.locator: Locator | None = None  # set once the handshake/turn verified it
-        self.cli_version: str | None = None
-        self.turns = 0
-        self._log = log.bind(runtime=self.runtime)
+class ForkPointMissing(ForkFailed):
+    """The session has fewer native turns than the fork point asks to keep."""
 
-    async def read_object(self) -> dict[str, Any] | None:
-        """Next JSON object from the CLI; None at end of stream. Garbled lines are skipped.
 
-        A ``launch_error`` line from the launcher raises :class:`LaunchError`.
-        """
-        while True:
-            line = await self.transport.receive()
-            if line is None:
-                return None
-            obj = parse_json_line(line)
-            if obj is None:
-                if line.strip():
-                    self._log.debug("driver.skip_line", line=line[:200])
-                continue
-            if obj.get("type") == "launch_error":
-                raise LaunchError(obj)
-            return obj
-
-    async def send_object(self, obj: dict[str, Any]) -> None:
-        await self.transport.send(json.dumps(obj, ensure_ascii=False).encode())
-
-    def launch_failed(self, exc: LaunchError) -> HandshakeFailed:
-        reason = exc.payload.get("reason")
-        if reason in ("missing_file", "bad_header"):
-            return HandshakeFailed(HandshakeReason.NATIVE_STATE_MISSING, json.dumps(exc.payload))
-        if reason == "header_mismatch":
-            return HandshakeFailed(HandshakeReason.LOCATOR_MISMATCH, json.dumps(exc.payload))
-        return HandshakeFailed(HandshakeReason.PROCESS_FAILED, json.dumps(exc.payload))
-
-    @abstractmethod
-    async def handshake(self) -> None:
-        """NEW: start the native session. RESTORED: confirm it resumed ``launch.expected``.
-
-        Raises :class:`~drivers.models.HandshakeFailed`; the user message is never sent
-        after a failed handshake.
-        """
-
-    @abstractmethod
-    async def run_turn(self, message: str, *, emit: EventSink = discard, timeout_s: float = 600.0) -> TurnOutcome:
-        """Send ``message`` unchanged and wait for native settlement."""
-
-    async def close(self, grace_s: float = 3.0) -> None:
-        """Graceful stop: close stdin and let the CLI exit on EOF."""
-        await self.transport.close()
-
-    async def not_settled_on_error(self, exc: BaseException, text: str = "") -> NotSettled:
-        if isinstance(exc, TransportClosed):
-            return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=str(exc) or "stream ended",
-                              assistant_text=text)
-        if isinstance(exc, LaunchError):
-            return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=str(exc), assistant_text=text)
-        raise exc
+ForkMode = Literal["eager", "lazy"]
 
 
 class Driver(ABC):
-    runtime: ClassVar[str]
+    """How one CLI is launched and wrapped; stateless.
+
+    Forks: ``fork_mode`` ``"eager"`` — the runner starts :meth:`plan_fork`'s process, runs the
+    handshake and :meth:`NativeSession.fork`, and saves the returned locator; ``"lazy"`` — the
+    CLI forks by itself when the fork's first turn starts with :meth:`plan_fork`'s launch
+    (Claude writes nothing until a message arrives). ``fork_home`` says whose member home the
+    fork process runs in and the fork's native state lives in: the source member's, or the new
+    member's own.
+    """
+
+    runtime: str  # a class attribute per CLI (one bridge class serves two runtimes per instance)
+    fork_mode: ClassVar[ForkMode] = "eager"
+    fork_home: ClassVar[Literal["source", "new"]] = "source"
 
     @abstractmethod
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
         """The launch for a NEW member (``resume=None``) or a RESTORED one."""
+
+    def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, parent: Locator, at_turn: int | None) -> Launch:
+        """The process that forks ``parent`` keeping its first ``at_turn`` native turns (all when
+        None), in ``paths`` (per ``fork_home``). Eager default: resume the parent; the session's
+        :meth:`~drivers.session.NativeSession.fork` makes the fork."""
+        return self.plan(paths, gateway, resume=parent)
 
     @abstractmethod
     def session(self, transport: Transport, launch: Launch) -> NativeSession:
@@ -173,3 +124,13 @@ async def wait_closed(transport: Transport, timeout_s: float) -> None:
     with anyio.move_on_after(timeout_s):
         while await transport.receive() is not None:
             pass
+
+
+def __getattr__(name: str) -> Any:
+    # ``from drivers.base import NativeSession`` keeps working: the class (the turn template)
+    # lives in drivers.session, which imports this module.
+    if name == "NativeSession":
+        from drivers.session import NativeSession
+
+        return NativeSession
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

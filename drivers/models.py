@@ -51,6 +51,22 @@ class GatewayConfig(BaseModel):
     model: str
 
 
+class DriverOptions(BaseModel):
+    """Launch inputs the composing layer gives every driver (drivers import no pins or settings).
+
+    ``native_compaction``: may the CLI compact its own history (``CLOUD_AGENT_NATIVE_COMPACTION``)?
+    Off (default): a context-window refusal settles the turn as ``context_too_long``; no summary
+    request is sent and nothing is retried with a rewritten history. On: the CLI may compact, and
+    the turn's :attr:`Settlement.compacted` says when it did. ``helper_version``: the pinned
+    version of the in-sandbox live bridge (images/pins), which the bridge's hello must report.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    native_compaction: bool = False
+    helper_version: int | None = None
+
+
 class FailureReason(StrEnum):
     # settled failures (the CLI says why)
     CONTEXT_TOO_LONG = "context_too_long"

@@ -6,6 +6,7 @@ from importlib import import_module
 from typing import Any
 
 from drivers.base import Driver
+from drivers.models import DriverOptions
 
 # runtime -> (module, class, constructor arguments)
 _DRIVERS: dict[str, tuple[str, str, tuple[Any, ...]]] = {
@@ -18,10 +19,11 @@ _DRIVERS: dict[str, tuple[str, str, tuple[Any, ...]]] = {
 RUNTIMES = tuple(_DRIVERS)
 
 
-def get_driver(runtime: str) -> Driver:
+def get_driver(runtime: str, options: DriverOptions | None = None) -> Driver:
+    """The driver of ``runtime``, given the launch inputs every driver takes (``options``)."""
     try:
         module, name, args = _DRIVERS[runtime]
     except KeyError:
         raise KeyError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}") from None
-    driver: Driver = getattr(import_module(module), name)(*args)
+    driver: Driver = getattr(import_module(module), name)(*args, options=options)
     return driver

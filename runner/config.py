@@ -11,7 +11,7 @@ import socket
 import tomllib
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -62,6 +62,10 @@ class Settings(BaseModel):
     host_capacity: int = Field(default=100, ge=1, description="CLOUD_AGENT_HOST_CAPACITY: chats placed on this host")
     lease_ttl_s: float = Field(default=30.0, gt=0, description="CLOUD_AGENT_LEASE_TTL_S: heartbeat lease in the store")
     forward_timeout_s: float = Field(default=600.0, gt=0, description="CLOUD_AGENT_FORWARD_TIMEOUT_S")
+    native_compaction: Literal["off", "on"] = Field(
+        default="off", description="CLOUD_AGENT_NATIVE_COMPACTION: off = a context-window refusal is the turn's "
+        "context_too_long (no summary request, no retry with a rewritten history); on = the CLI may compact, "
+        "and the receipt says so")
     memory_bytes: int = 4 * 1024**3
     pids_limit: int = 1024
     nano_cpus: int = 2_000_000_000
@@ -141,6 +145,7 @@ _ENV = {
     "CLOUD_AGENT_STORE_URL": "store_url", "CLOUD_AGENT_API_URL": "api_url",
     "CLOUD_AGENT_HOST_CAPACITY": "host_capacity", "CLOUD_AGENT_LEASE_TTL_S": "lease_ttl_s",
     "CLOUD_AGENT_FORWARD_TIMEOUT_S": "forward_timeout_s",
+    "CLOUD_AGENT_NATIVE_COMPACTION": "native_compaction",
 }
 
 

@@ -1,17 +1,18 @@
 """Native forks: a new member whose native session branches from another member's.
 
-Each CLI forks with its own mechanism (protocols/ and the drivers):
-* Codex — ``thread/fork {lastTurnId}`` in the source's CODEX_HOME (eager);
-* Pi — ``get_fork_messages`` + ``fork {entryId}`` / ``clone`` into the new member's
-  sessions dir (eager);
-* OpenCode/Kilo — ``POST /session/{id}/fork {messageID}`` through the bridge (eager);
-* Claude — ``--resume PARENT --fork-session [--resume-session-at UUID]`` when the new
-  member's first turn starts (lazy: Claude writes nothing until a message arrives).
+One path for every CLI, through the driver seam (drivers/base.py ``Driver.fork_mode``):
+* **eager** (Codex ``thread/fork``, Pi ``fork``/``clone``, OpenCode/Kilo ``POST /session/{id}/fork``):
+  the source's resident process is retired (one writer per native session), a fork process is
+  started from ``Driver.plan_fork``, handshaken, and ``NativeSession.fork(at_turn)`` makes the
+  fork; its locator is saved with the new member;
+* **lazy** (Claude ``--resume PARENT --fork-session``): nothing runs now; the new member records a
+  pending fork and its first turn starts the CLI with ``Driver.plan_fork`` (Claude writes nothing
+  until a message arrives).
 
-``at_turn=N`` keeps the first N native user turns; default: the whole history. Forks of
-Codex, Claude and OpenCode/Kilo live in the source member's native home (Codex must never
-see a relocated CODEX_HOME; Claude reads the parent transcript from its config dir); Pi's
-fork file goes to the new member's own sessions dir.
+``at_turn=N`` keeps the first N native user turns; default: the whole history.
+``Driver.fork_home`` says whose member home the fork process runs in and the fork's native state
+lives in (the source's: Codex must never see a relocated CODEX_HOME, Claude reads the parent
+transcript from its config dir; the new member's own: Pi's fork file).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 import anyio
 import structlog
 
+from drivers.base import Driver, ForkPointMissing
 from drivers.models import Locator
-from drivers.registry import get_driver
 from runner.processes import member_paths, start_in_sandbox
 from runner.residents import ResidentPool
 from runner.transport import exec_transport
@@ -34,8 +35,6 @@ from state.records import MemberRecord, PendingFork
 from state.store import Store
 
 log = structlog.get_logger("fork")
-
-EAGER_HOME_OF_SOURCE = {"codex", "opencode", "kilo"}
 
 
 class ForkError(Exception):
@@ -77,22 +76,23 @@ class Forker:
         runtime = source.runtime
         parent = to_locator(source.locator)
         assert parent is not None
-        if runtime == "claude":
-            # settled_turns counts the native turns the fork inherits, as for the eager forks;
-            # the locator stays None until Claude writes the fork at its first turn.
+        driver = self.runner.driver(runtime)
+        home = req.new_member_id if driver.fork_home == "new" else source.home_member_id
+        # settled_turns counts the native turns the fork inherits, lazy or eager.
+        inherited = req.at_turn or source.settled_turns
+        locator: Locator | None = None
+        if driver.fork_mode == "lazy":
+            # the locator stays None until the CLI writes the fork at its first turn
             created = await self.store.create_fork_member(
-                source, req.new_member_id, home_member_id=source.home_member_id, locator=None,
-                settled_turns=req.at_turn or source.settled_turns,
+                source, req.new_member_id, home_member_id=home, locator=None, settled_turns=inherited,
                 pending=PendingFork(parent=to_saved(parent), at_turn=req.at_turn))
-            locator: Locator | None = None
         else:
             # One writer per native session: the source's resident process goes first.
             await self.pool.retire(key, "fork")
-            locator = await self._eager(runtime, sandbox, source, parent, req)
-            home = req.new_member_id if runtime == "pi" else source.home_member_id
+            locator = await self._eager(driver, sandbox, home, parent, req)
             created = await self.store.create_fork_member(
-                source, req.new_member_id, home_member_id=home, locator=to_saved(locator),
-                settled_turns=req.at_turn or source.settled_turns, pending=None)
+                source, req.new_member_id, home_member_id=home, locator=to_saved(locator), settled_turns=inherited,
+                pending=None)
         if created is None:
             raise ForkError(409, "member_exists", req.new_member_id)
         log.info("fork.created", runtime=runtime, source=source.member_id, member=req.new_member_id,
@@ -101,38 +101,17 @@ class Forker:
                 "at_turn": req.at_turn, "locator": None if locator is None else locator.model_dump(),
                 "pending": locator is None}
 
-    async def _eager(self, runtime: str, sandbox: Sandbox, source: MemberRecord, parent: Locator,
-                     req: ForkRequest) -> Locator:
-        driver = get_driver(runtime)
-        gateway = self.runner.gateway(runtime)
-        src_dirs = self.manager.member_dirs(source.home_member_id)
-        if runtime == "pi":
-            dirs = self.manager.member_dirs(req.new_member_id)
-            launch = driver.plan_fork(member_paths(dirs), gateway, parent)  # type: ignore[attr-defined]
-        elif runtime == "codex":
-            dirs = src_dirs
-            launch = driver.plan_fork(member_paths(dirs), gateway, parent)  # type: ignore[attr-defined]
-        else:
-            dirs = src_dirs
-            launch = driver.plan(member_paths(dirs), gateway, parent)
+    async def _eager(self, driver: Driver, sandbox: Sandbox, home: str, parent: Locator, req: ForkRequest) -> Locator:
+        dirs = self.manager.member_dirs(home)
+        launch = driver.plan_fork(member_paths(dirs), self.runner.gateway(driver.runtime), parent, req.at_turn)
         proc = await start_in_sandbox(self.manager, sandbox, dirs, launch, name="fork")
         session = driver.session(exec_transport(proc.stream), launch)
         try:
             with anyio.fail_after(self.runner.handshake_timeout_s):
                 await session.handshake()
-                if runtime == "codex":
-                    last = None
-                    if req.at_turn is not None:
-                        ids = await session.list_turn_ids()  # type: ignore[attr-defined]
-                        if req.at_turn > len(ids):
-                            raise ForkError(422, "invalid_request", f"at_turn {req.at_turn} > {len(ids)} native turns")
-                        last = ids[req.at_turn - 1]
-                    return await session.fork(last_turn_id=last)  # type: ignore[attr-defined]
-                if runtime == "pi":
-                    return await session.fork(req.at_turn)  # type: ignore[attr-defined]
-                return await session.fork_at_turn(req.at_turn)  # type: ignore[attr-defined]
-        except ForkError:
-            raise
+                return await session.fork(req.at_turn)
+        except ForkPointMissing as exc:
+            raise ForkError(422, "invalid_request", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any driver failure is a failed fork, named
             raise ForkError(409, "fork_failed", f"{type(exc).__name__}: {exc}") from None
         finally:

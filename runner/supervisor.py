@@ -22,6 +22,7 @@ import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from drivers.models import DriverOptions
 from images.identity import carries_bridge, image_tag
 from images.pins import load_pins
 from runner.config import Settings
@@ -62,6 +63,12 @@ class _Job:
     receipt: Receipt | None = None
 
 
+def driver_options(settings: Settings) -> DriverOptions:
+    """The launch inputs every driver gets on this host: the compaction policy, the pinned helper."""
+    return DriverOptions(native_compaction=settings.native_compaction == "on",
+                         helper_version=load_pins().helper.version)
+
+
 class Supervisor:
     def __init__(self, settings: Settings, *, engine: Engine, store: StoreContract, manager: SandboxManager,
                  gateway_url: str, hooks: TestHooks | None = None) -> None:
@@ -76,7 +83,8 @@ class Supervisor:
         self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, gateway_url=gateway_url,
                                  gateway_key=settings.gateway_key(), models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,
-                                 handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks)
+                                 handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks,
+                                 driver_options=driver_options(settings))
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self.metrics = Metrics()
         self._locks: dict[tuple[str, str, str], anyio.Lock] = {}

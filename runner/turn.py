@@ -16,8 +16,9 @@ from typing import Any
 import anyio
 import structlog
 
-from drivers.base import Launch, NativeSession
+from drivers.base import Driver, Launch
 from drivers.models import (
+    DriverOptions,
     FailureReason,
     GatewayConfig,
     HandshakeFailed,
@@ -28,6 +29,7 @@ from drivers.models import (
     Settlement,
 )
 from drivers.registry import get_driver
+from drivers.session import NativeSession
 from drivers.transport import Transport
 from images.pins import load_pins
 from runner.processes import member_paths, start_in_sandbox
@@ -94,7 +96,7 @@ class TurnContext:
 class TurnRunner:
     def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, gateway_url: str,
                  gateway_key: Any, models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
-                 hooks: TestHooks | None = None) -> None:
+                 hooks: TestHooks | None = None, driver_options: DriverOptions | None = None) -> None:
         self.store = store
         self.manager = manager
         self.pool = pool
@@ -104,6 +106,11 @@ class TurnRunner:
         self.turn_timeout_s = turn_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.hooks = hooks or TestHooks()
+        self.driver_options = driver_options or DriverOptions(helper_version=load_pins().helper.version)
+
+    def driver(self, runtime: str) -> Driver:
+        """The runtime's driver with this host's launch inputs (pins, compaction policy)."""
+        return get_driver(runtime, self.driver_options)
 
     def gateway(self, runtime: str) -> GatewayConfig:
         return GatewayConfig(base_url=self.gateway_url, key=self.gateway_key, model=self.models[runtime])
@@ -219,15 +226,16 @@ class TurnRunner:
     async def _launch(self, ctx: TurnContext, key: tuple[str, str, str], resume: Locator | None) -> NativeSession:
         job, sandbox = ctx.job, ctx.sandbox
         assert sandbox is not None
-        driver = get_driver(job.runtime)
+        driver = self.driver(job.runtime)
         assert ctx.member is not None
         dirs = self.manager.member_dirs(ctx.member.home_member_id)
         gateway = self.gateway(job.runtime)
         pending = ctx.member.pending_fork
         if resume is None and pending is not None:
             # A fork the CLI makes itself as this first turn starts (Claude --fork-session).
-            launch: Launch = driver.plan_fork(member_paths(dirs), gateway, to_locator(pending.parent),  # type: ignore[attr-defined]
-                                              pending.at_turn)
+            parent = to_locator(pending.parent)
+            assert parent is not None
+            launch: Launch = driver.plan_fork(member_paths(dirs), gateway, parent, pending.at_turn)
         else:
             launch = driver.plan(member_paths(dirs), gateway, resume)
         proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)

@@ -1,74 +1,65 @@
-"""OpenCode / Kilo sessions over the live bridge: handshake, turns, settlement, fork.
+"""OpenCode / Kilo sessions over the live bridge: handshake, turns, fork.
 
-Launch plans: :mod:`drivers.bridge.launch`; line parsing: :mod:`drivers.bridge.wire`. The
-bridge's ``settled`` for the active turn id is the only settlement evidence (SPEC section 5).
+Launch plans: :mod:`drivers.bridge.launch`; line parsing and the turn tracker:
+:mod:`drivers.bridge.wire`. The bridge's ``settled`` for the active turn id is the only
+settlement evidence (SPEC section 5); the turn loop itself is the shared template
+(:class:`drivers.session.NativeSession`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
 
-from collections.abc import Mapping, Sequence
-
-from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, discard
+from drivers.base import Driver, ForkFailed, Launch
 from drivers.bridge import launch as plans
 from drivers.bridge.launch import BRIDGE_COMMAND, IMAGE_PATH
-from drivers.bridge.wire import _REJECTED, driver_events, settlement_from
-from drivers.models import (
-    GatewayConfig,
-    HandshakeFailed,
-    HandshakeReason,
-    Locator,
-    MemberPaths,
-    NotSettled,
-    NotSettledReason,
-    TextDelta,
-    TurnOutcome,
-)
-from drivers.transport import Transport, TransportClosed
+from drivers.bridge.wire import BridgeTurn, BridgeTurnStart
+from drivers.models import DriverOptions, GatewayConfig, HandshakeFailed, HandshakeReason, Locator, MemberPaths
+from drivers.session import NativeSession, TurnStart
+from drivers.transport import Transport, TransportClosed, TransportError
 
 HANDSHAKE_TIMEOUT_S = 180.0  # server start is CPU-heavy (4-8 s alone; far more on a loaded host)
 ABORT_GRACE_S = 10.0  # after a timeout: how long the native abort may take to settle
 COMMAND_TIMEOUT_S = 30.0
 
 
-class BridgeCommandError(Exception):
+class BridgeCommandError(ForkFailed):
+    """The bridge refused a command between turns (its ``error`` line)."""
+
     def __init__(self, payload: dict[str, Any]) -> None:
         super().__init__(f"{payload.get('reason')}: {payload.get('detail', '')}")
         self.payload = payload
         self.reason = payload.get("reason")
 
 
-def pinned_helper_version() -> int:
-    from images.pins import load_pins
-
-    return load_pins().helper.version
-
-
 class BridgeSession(NativeSession):
     runtime = "bridge"
 
-    def __init__(self, transport: Transport, launch: Launch, runtime: str) -> None:
-        self.runtime = runtime  # type: ignore[misc] - set before the base class binds the logger
+    def __init__(self, transport: Transport, launch: Launch, runtime: str, *, helper_version: int | None = None
+                 ) -> None:
+        self.runtime = runtime  # one session class serves opencode and kilo
         super().__init__(transport, launch)
+        self.pinned_helper = helper_version  # what the bridge's hello must report (a launch input)
         self.session_id: str | None = None  # the native session the bridge opened
-        self.helper_version: int | None = None
+        self.helper_version: int | None = None  # what the bridge reported
         self.abort_grace_s = ABORT_GRACE_S
 
+    @property
+    def handshake_timeout_s(self) -> float:
+        return HANDSHAKE_TIMEOUT_S
+
+    @property
+    def handshake_answer(self) -> str:
+        return "hello/opened"
+
+    @property
+    def interrupt_grace_s(self) -> float:
+        return self.abort_grace_s
+
     # -- handshake
-    async def handshake(self) -> None:
-        try:
-            with anyio.fail_after(HANDSHAKE_TIMEOUT_S):
-                await self._hello()
-                await self._open()
-        except TimeoutError as exc:
-            raise HandshakeFailed(HandshakeReason.PROCESS_FAILED, "the bridge did not answer in time") from exc
-        except LaunchError as exc:
-            raise self.launch_failed(exc) from exc
-        except TransportClosed as exc:
-            raise HandshakeFailed(HandshakeReason.PROCESS_FAILED, f"{exc}: {self.transport.diagnostics()[-2000:]}") from exc
 
     async def _next(self) -> dict[str, Any]:
         obj = await self.read_object()
@@ -76,13 +67,17 @@ class BridgeSession(NativeSession):
             raise TransportClosed("the bridge exited")
         return obj
 
+    async def open(self) -> None:
+        await self._hello()
+        await self._open()
+
     async def _hello(self) -> None:
         hello = await self._next()
         if hello.get("type") != "hello":
             raise HandshakeFailed(HandshakeReason.PROCESS_FAILED, f"expected hello, got {hello}")
         self.helper_version = hello.get("version") if isinstance(hello.get("version"), int) else None
-        want = pinned_helper_version()
-        if hello.get("version") != want:
+        want = self.pinned_helper
+        if want is None or hello.get("version") != want:
             raise HandshakeFailed(HandshakeReason.HELPER_VERSION,
                                   f"bridge version {hello.get('version')!r}, pinned {want}")
         if hello.get("runtime") != self.runtime:
@@ -111,86 +106,27 @@ class BridgeSession(NativeSession):
         self.session_id = sid
         if self.expected is not None:
             self.locator = self.expected  # the resume handshake confirmed it
+        else:
+            self.expected = Locator(id=sid)  # NEW: the session the bridge opened is the one to serve
         self._log.info("bridge.opened", session=sid, created=obj.get("created"), cli_version=self.cli_version)
 
-    # -- turns
-    async def run_turn(self, message: str, *, emit: EventSink = discard, timeout_s: float = 600.0) -> TurnOutcome:
-        self.turns += 1
-        turn_id = f"turn-{self.turns}"
-        text: list[str] = []
-        try:
-            await self.send_object({"type": "prompt", "turn_id": turn_id, "text": message})
-            with anyio.fail_after(timeout_s):
-                return await self._until_settled(turn_id, emit, text)
-        except TimeoutError:
-            await self._abort(turn_id)
-            return NotSettled(reason=NotSettledReason.TIMEOUT, detail=f"no native settlement within {timeout_s}s",
-                              assistant_text="".join(text))
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                try:
-                    await self.send_object({"type": "abort"})
-                except TransportClosed:
-                    pass
-            raise
-        except (TransportClosed, LaunchError) as exc:
-            return await self.not_settled_on_error(exc, "".join(text))
+    # -- turns (the template in drivers/session.py; the tracker in drivers/bridge/wire.py)
 
-    async def _until_settled(self, turn_id: str, emit: EventSink, text: list[str]) -> TurnOutcome:
-        started: set[str] = set()
-        while True:
-            obj = await self.read_object()
-            if obj is None:
-                return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED,
-                                  detail=f"the bridge exited: {self.transport.diagnostics()[-1000:]}",
-                                  assistant_text="".join(text))
-            kind = obj.get("type")
-            if obj.get("turn_id") not in (None, turn_id):
-                continue  # a late line of an earlier turn
-            if kind == "settled" and obj.get("turn_id") == turn_id:
-                settlement = settlement_from(obj, self.runtime)
-                if self.expected is None or settlement.observed_locator == self.expected:
-                    self.locator = settlement.observed_locator
-                return settlement
-            if kind == "error":
-                outcome = self._error_outcome(obj, text)
-                if outcome is not None:
-                    return outcome
-                continue
-            for ev in driver_events(obj, started):
-                if isinstance(ev, TextDelta):
-                    text.append(ev.text)
-                emit(ev)
+    def turn_start(self) -> BridgeTurnStart:
+        n = self.next_turn()
+        return BridgeTurnStart(turn=n, turn_id=f"turn-{n}")
 
-    def _error_outcome(self, obj: dict[str, Any], text: list[str]) -> NotSettled | None:
-        reason, detail = obj.get("reason"), f"{obj.get('reason')}: {obj.get('detail', '')}"
-        if reason in ("stream_lost", "server_exited"):
-            return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=detail, assistant_text="".join(text))
-        if reason in _REJECTED and obj.get("turn_id") is not None:
-            return NotSettled(reason=NotSettledReason.COMMAND_REJECTED, detail=detail, assistant_text="".join(text))
-        self._log.warning("bridge.error", reason=reason, detail=obj.get("detail"))
-        return None
+    def tracker(self, start: TurnStart) -> BridgeTurn:
+        assert isinstance(start, BridgeTurnStart)
+        return BridgeTurn(start, self.runtime)
 
-    async def _abort(self, turn_id: str) -> None:
-        """Timeout: interrupt the native turn and give it a moment to end (the result is not used)."""
-        with anyio.move_on_after(self.abort_grace_s):
-            try:
-                await self.send_object({"type": "abort"})
-                while (obj := await self.read_object()) is not None:
-                    if obj.get("turn_id") == turn_id and obj.get("type") in ("settled", "error"):
-                        return
-            except (TransportClosed, LaunchError):
-                return
+    # -- fork
 
-    # -- fork (for later: branch a chat at a message)
-    async def fork_at_turn(self, at_turn: int | None = None) -> Locator:
-        """Fork this session keeping its first ``at_turn`` user turns (all when None)."""
-        return await self.fork(session_id=None, at_turn=at_turn)
-
-    async def fork(self, message_id: str | None = None, session_id: str | None = None,
-                   at_turn: int | None = None) -> Locator:
-        """``POST /session/{id}/fork``: a new session holding the messages strictly BEFORE
-        ``message_id`` (all of them without one). Between turns only."""
+    async def fork(self, at_turn: int | None = None, *, message_id: str | None = None,
+                   session_id: str | None = None) -> Locator:
+        """``POST /session/{id}/fork`` through the bridge: a new session holding the first
+        ``at_turn`` user turns (all when None), or the messages strictly BEFORE ``message_id``.
+        Between turns only; the fork lives in this member's native store."""
         cmd: dict[str, Any] = {"type": "fork"}
         if message_id is not None:
             cmd["message_id"] = message_id
@@ -198,21 +134,31 @@ class BridgeSession(NativeSession):
             cmd["session_id"] = session_id
         if at_turn is not None:
             cmd["at_turn"] = at_turn
-        with anyio.fail_after(COMMAND_TIMEOUT_S):
-            await self.send_object(cmd)
-            while True:
-                obj = await self.read_object()
-                if obj is None:
-                    raise TransportClosed("the bridge exited")
-                if obj.get("type") == "forked" and isinstance(obj.get("session_id"), str):
-                    return Locator(id=obj["session_id"])
-                if obj.get("type") == "error":
-                    raise BridgeCommandError(obj)
+        async with self._busy:
+            try:
+                with anyio.fail_after(COMMAND_TIMEOUT_S):
+                    await self.send_object(cmd)
+                    while True:
+                        obj = await self.read_object()
+                        if obj is None:
+                            raise ForkFailed("the bridge exited")
+                        if obj.get("type") == "forked" and isinstance(obj.get("session_id"), str):
+                            return Locator(id=obj["session_id"])
+                        if obj.get("type") == "error":
+                            raise BridgeCommandError(obj)
+            except TimeoutError:
+                raise ForkFailed(f"no fork answer within {COMMAND_TIMEOUT_S:g}s") from None
+            except TransportError as exc:
+                raise ForkFailed(f"transport closed: {exc}") from exc
+
+    async def fork_at_turn(self, at_turn: int | None = None) -> Locator:
+        """Fork this session keeping its first ``at_turn`` user turns (all when None)."""
+        return await self.fork(at_turn)
 
     async def close(self, grace_s: float = 3.0) -> None:
         try:
             await self.send_object({"type": "close"})
-        except TransportClosed:
+        except TransportError:
             pass
         await self.transport.close()
 
@@ -220,20 +166,22 @@ class BridgeSession(NativeSession):
 class BridgeDriver(Driver):
     """``BridgeDriver("opencode")`` / ``BridgeDriver("kilo")``.
 
-    ``bridge_args`` are extra bridge options (tests: ``--test-seams``,
-    ``--test-fail-permission-replies N``); ``config_overrides`` are merged into the server
-    config (tests: ``{"permission": {"bash": "ask"}}``); ``path`` is the PATH the bridge
-    and server see (the image's by default).
+    ``options`` are the launch inputs of every driver (the pinned helper version the bridge's
+    hello must report, the compaction policy); ``bridge_args`` are extra bridge options (tests:
+    ``--test-seams``, ``--test-fail-permission-replies N``); ``config_overrides`` are merged into
+    the server config (tests: ``{"permission": {"bash": "ask"}}``); ``path`` is the PATH the
+    bridge and server see (the image's by default).
     """
 
     runtime = "bridge"
 
-    def __init__(self, runtime: str, *, bridge_args: Sequence[str] = (),
+    def __init__(self, runtime: str, options: DriverOptions | None = None, *, bridge_args: Sequence[str] = (),
                  config_overrides: Mapping[str, Any] | None = None, path: str = IMAGE_PATH,
                  limits: Mapping[str, int] | None = None, bridge_command: Sequence[str] = (BRIDGE_COMMAND,)) -> None:
         if runtime not in ("opencode", "kilo"):
             raise ValueError(f"the bridge drives opencode or kilo, not {runtime!r}")
-        self.runtime = runtime  # type: ignore[misc] - one driver class, two runtimes
+        self.runtime = runtime  # one driver class, two runtimes
+        self.options = options or DriverOptions()
         self.bridge_args = tuple(bridge_args)
         self.config_overrides = dict(config_overrides or {})
         self.path = path
@@ -246,4 +194,4 @@ class BridgeDriver(Driver):
                           bridge_command=self.bridge_command)
 
     def session(self, transport: Transport, launch: Launch) -> BridgeSession:
-        return BridgeSession(transport, launch, self.runtime)
+        return BridgeSession(transport, launch, self.runtime, helper_version=self.options.helper_version)

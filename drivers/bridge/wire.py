@@ -1,18 +1,23 @@
-"""The live bridge's line protocol, parsed (pure, no I/O): settlement and normalized events.
+"""The live bridge's line protocol, parsed (pure, no I/O): the turn tracker, settlement, events.
 
 The bridge (``http-agent-live-bridge``) prints JSON lines; its ``settled`` line for the active
-turn id is the only settlement evidence (SPEC section 5).
+turn id is the only settlement evidence (SPEC section 5). Lines carrying another turn id are
+late lines of an earlier turn and are dropped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from drivers.models import (
     DriverEvent,
     FailureReason,
     Locator,
     Notice,
+    NotSettled,
+    NotSettledReason,
     RetryNotice,
     Settlement,
     TextDelta,
@@ -20,6 +25,9 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.reasons import classify_failure
+from drivers.session import Step, Tracker, TurnStart
+
+log = structlog.get_logger("driver")
 
 # Causes the bridge reports when it ended the turn itself: all are aborts of the native turn.
 _BRIDGE_ABORTS = {"aborted", "stream_lost", "permission_failed", "question_failed"}
@@ -82,3 +90,51 @@ def driver_events(obj: dict[str, Any], started: set[str]) -> list[DriverEvent]:
         what = obj.get("permission") if kind == "permission" else obj.get("answers") if kind == "question" else obj.get("message")
         return [Notice(name=kind, detail=f"{what} ok={ok}", raw=obj)]
     return []
+
+
+class BridgeTurnStart(TurnStart):
+    turn_id: str  # the id the prompt carries; the bridge echoes it on the turn's lines
+
+
+class BridgeTurn(Tracker):
+    def __init__(self, start: BridgeTurnStart, runtime: str) -> None:
+        self.start = start
+        self.runtime = runtime
+        self.started: set[str] = set()  # tool call ids already reported as started
+        self.texts: list[str] = []
+
+    def opening(self, message: str) -> list[dict[str, Any]]:
+        return [{"type": "prompt", "turn_id": self.start.turn_id, "text": message}]
+
+    def feed(self, obj: dict[str, Any]) -> Step:
+        turn_id = obj.get("turn_id")
+        if turn_id not in (None, self.start.turn_id):
+            return Step()  # a late line of an earlier turn
+        kind = obj.get("type")
+        if kind == "settled" and turn_id == self.start.turn_id:
+            return Step(outcome=settlement_from(obj, self.runtime))
+        if kind == "error":
+            return Step(outcome=self._error(obj))
+        events = driver_events(obj, self.started)
+        self.texts += [e.text for e in events if isinstance(e, TextDelta)]
+        return Step(events=events)
+
+    def _error(self, obj: dict[str, Any]) -> NotSettled | None:
+        reason, detail = obj.get("reason"), f"{obj.get('reason')}: {obj.get('detail', '')}"
+        if reason in ("stream_lost", "server_exited"):
+            return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=detail, assistant_text=self.partial_text())
+        if reason in _REJECTED and obj.get("turn_id") is not None:
+            return NotSettled(reason=NotSettledReason.COMMAND_REJECTED, detail=detail,
+                              assistant_text=self.partial_text())
+        log.warning("bridge.error", reason=reason, detail=obj.get("detail"))
+        return None
+
+    def interrupt(self) -> list[dict[str, Any]]:
+        return [{"type": "abort"}]
+
+    def partial_text(self) -> str:
+        return "".join(self.texts)
+
+    def end_of_stream(self, diagnostics: str) -> NotSettled:
+        return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=f"the bridge exited: {diagnostics[-1000:]}",
+                          assistant_text=self.partial_text())

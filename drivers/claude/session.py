@@ -2,11 +2,12 @@
 
 Launch plans: :mod:`drivers.claude.launch`. Handshake: the control protocol's ``initialize``
 request. 2.1.220 answers it only after it has loaded the resumed transcript; an unknown id
-prints an error ``result`` ("No conversation found…") and exits instead. Settlement: see
-:class:`drivers.claude.wire.TurnTracker`, plus a short transcript-flush window
-(:attr:`ClaudeSettings.persist_grace_s`). Messages are sent unchanged; a leading ``/`` needs the
-trailing-empty-block form of :func:`drivers.claude.wire.user_line` or the CLI would run it as a
-slash command.
+prints an error ``result`` ("No conversation found…") and exits instead. Turns: the shared
+template (drivers/session.py) with :class:`drivers.claude.wire.ClaudeTurn` as tracker, plus a
+short transcript-flush window after settlement (:attr:`ClaudeSettings.persist_grace_s`).
+Messages are sent unchanged; a leading ``/`` needs the trailing-empty-block form of
+:func:`drivers.claude.wire.user_line` or the CLI would run it as a slash command.
+Forks are lazy: the CLI forks when the fork's first turn starts (``--fork-session``).
 """
 
 from __future__ import annotations
@@ -15,26 +16,20 @@ from typing import Any
 
 import anyio
 
-from drivers.base import (
-    Driver,
-    EventSink,
-    Launch,
-    LaunchError,
-    NativeSession,
-    discard,
-)
+from drivers.base import Driver, Launch, LaunchError
 from drivers.claude import launch as plans
 from drivers.claude.launch import ClaudeSettings
 from drivers.claude.wire import (
+    ClaudeTurn,
+    ClaudeTurnStart,
     TurnTracker,
-    control_error_reply,
     control_request,
     control_response_for,
     result_errors,
     root_session_id,
-    user_line,
 )
 from drivers.models import (
+    DriverOptions,
     GatewayConfig,
     HandshakeFailed,
     HandshakeReason,
@@ -45,14 +40,17 @@ from drivers.models import (
     Settlement,
     TurnOutcome,
 )
-from drivers.transport import Transport, TransportClosed
+from drivers.session import NativeSession, Tracker, TurnStart
+from drivers.transport import Transport, TransportError
 
 
 class ClaudeDriver(Driver):
     runtime = "claude"
+    fork_mode = "lazy"  # Claude writes nothing until a message arrives: the fork's first turn forks
 
-    def __init__(self, settings: ClaudeSettings | None = None) -> None:
+    def __init__(self, settings: ClaudeSettings | None = None, *, options: DriverOptions | None = None) -> None:
         self.settings = settings or ClaudeSettings()
+        self.options = options or DriverOptions()
 
     def transcript(self, paths: MemberPaths, locator: Locator) -> str:
         """Where the CLI keeps ``locator``'s transcript (keyed by the ORIGINAL cwd)."""
@@ -80,9 +78,21 @@ class ClaudeSession(NativeSession):
         # uuid of the last root assistant message seen (= its transcript entry uuid): a
         # ready-made ``plan_fork(at_message=...)`` anchor for the turn that produced it
         self.last_assistant_uuid: str | None = None
-        self.last_tracker: TurnTracker | None = None
-        self.quiesced = True  # False after a turn that ended unsettled and was not drained
+        self.last_tracker: TurnTracker | None = None  # the evidence of the latest turn
+        self.quiesced = True  # False after a turn whose native turn was not seen to end
         self._pending: list[dict[str, Any]] = []  # lines read ahead during the flush window
+
+    @property
+    def handshake_timeout_s(self) -> float:
+        return self.settings.handshake_timeout_s
+
+    @property
+    def handshake_answer(self) -> str:
+        return "initialize"
+
+    @property
+    def interrupt_grace_s(self) -> float:
+        return self.settings.interrupt_grace_s
 
     # ---------------------------------------------------------------- handshake
 
@@ -91,27 +101,19 @@ class ClaudeSession(NativeSession):
             return HandshakeFailed(HandshakeReason.NATIVE_STATE_MISSING, str(exc))
         return super().launch_failed(exc)
 
-    async def handshake(self) -> None:
+    async def open(self) -> None:
         req = control_request("initialize")
         try:
             await self.send_object(req)
-        except TransportClosed:
+        except TransportError:
             pass  # a launcher precheck may already have printed launch_error and exited
-        try:
-            with anyio.fail_after(self.settings.handshake_timeout_s):
-                await self._await_initialize(req["request_id"])
-        except TimeoutError:
-            raise HandshakeFailed(HandshakeReason.PROCESS_FAILED,
-                                  f"no initialize response in {self.settings.handshake_timeout_s:g}s") from None
+        await self._await_initialize(req["request_id"])
 
     async def _await_initialize(self, request_id: str) -> None:
         expected = self.expected.id if self.expected else None
         missing = HandshakeReason.NATIVE_STATE_MISSING if self.launch.resume else HandshakeReason.PROCESS_FAILED
         while True:
-            try:
-                obj = await self.read_object()
-            except LaunchError as exc:
-                raise self.launch_failed(exc) from None
+            obj = await self.read_object()
             if obj is None:
                 # A bare EOF is no evidence about the native state (the process or container
                 # may have been killed); only the precheck or the CLI's own error says "missing".
@@ -139,79 +141,43 @@ class ClaudeSession(NativeSession):
                 raise HandshakeFailed(HandshakeReason.LOCATOR_MISMATCH, f"CLI reported session {sid}",
                                       observed=Locator(id=sid))
 
-    # ---------------------------------------------------------------- turns
+    # ---------------------------------------------------------------- turns (the template: drivers/session.py)
 
-    async def run_turn(self, message: str, *, emit: EventSink = discard, timeout_s: float = 600.0) -> TurnOutcome:
-        tracker = TurnTracker(self.expected.id if self.expected else None, state_events=self.settings.state_events)
-        self.last_tracker = tracker
-        self.quiesced = False
-        try:
-            outcome: TurnOutcome | None = None
-            with anyio.move_on_after(timeout_s):
-                outcome = await self._drive(message, tracker, emit)
-            if outcome is None:
-                await self._interrupt_and_drain(tracker, emit)
-                return NotSettled(reason=NotSettledReason.TIMEOUT, detail=f"no settlement within {timeout_s:g}s",
-                                  assistant_text=tracker.partial_text())
-            if isinstance(outcome, Settlement):
-                return await self._finish(outcome, tracker)
-            return outcome
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                await self._send_interrupt()
-            raise
+    def turn_start(self) -> ClaudeTurnStart:
+        return ClaudeTurnStart(turn=self.next_turn(), expected=self.expected.id if self.expected else None,
+                               state_events=self.settings.state_events)
 
-    async def _drive(self, message: str, tracker: TurnTracker, emit: EventSink) -> TurnOutcome:
-        try:
-            await self.send_object(user_line(message))
-        except TransportClosed as exc:
-            return await self.not_settled_on_error(exc)
-        interrupted = False
-        while True:
-            try:
-                obj = await self.read_object()
-            except LaunchError as exc:
-                return await self.not_settled_on_error(exc, tracker.partial_text())
-            if obj is None:
-                detail = "stream ended before settlement"
-                if tracker.result is not None:
-                    detail = "stream ended after the result but before idle"
-                return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=detail,
-                                  assistant_text=tracker.partial_text())
-            kind = obj.get("type")
-            if kind == "control_request":
-                await self._refuse_control(obj)
-                continue
-            if kind == "control_response":
-                continue  # the answer to our interrupt
-            for event in tracker.feed(obj):
-                self._emit(emit, event)
-            self._note_anchor(obj)
-            if tracker.init_mismatch and not interrupted:
-                # Another session answers: stop spending tokens; the settlement still
-                # reports the id the CLI showed and the runner fails the turn.
-                self._log.warning("claude.identity_mismatch", expected=tracker.expected, observed=tracker.mismatch_id)
-                interrupted = True
-                await self._send_interrupt()
-            if tracker.settled:
-                return tracker.settlement()
+    def tracker(self, start: TurnStart) -> ClaudeTurn:
+        assert isinstance(start, ClaudeTurnStart)
+        return ClaudeTurn(start)
 
-    async def _finish(self, settlement: Settlement, tracker: TurnTracker) -> TurnOutcome:
+    async def settled(self, tracker: Tracker, settlement: Settlement) -> TurnOutcome:
+        assert isinstance(tracker, ClaudeTurn)
         # outside the turn's timeout: the flush window is bounded by itself
         if not await self._outlive_flush_window():
             return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED,
                               detail="the process ended before its transcript flush window passed",
-                              assistant_text=tracker.assistant_text())
-        self.turns += 1
-        self.quiesced = True
-        if tracker.cli_version and not self.cli_version:
-            self.cli_version = tracker.cli_version
-        if self.expected is not None and settlement.observed_locator == self.expected:
-            self.locator = self.expected
+                              assistant_text=tracker.evidence.assistant_text())
+        evidence = tracker.evidence
+        if evidence.cli_version and not self.cli_version:
+            self.cli_version = evidence.cli_version
         self._log.info("claude.settled", is_error=settlement.is_error, reason=settlement.reason,
-                       retire_after=settlement.retire_after, early_idles=tracker.early_idles,
-                       ignored_results=tracker.ignored_results)
+                       retire_after=settlement.retire_after, early_idles=evidence.early_idles,
+                       ignored_results=evidence.ignored_results)
         return settlement
+
+    def turn_ended(self, tracker: Tracker, outcome: TurnOutcome) -> None:
+        assert isinstance(tracker, ClaudeTurn)
+        evidence = tracker.evidence
+        self.last_tracker = evidence
+        if tracker.last_assistant_uuid is not None:
+            self.last_assistant_uuid = tracker.last_assistant_uuid
+        if evidence.init_mismatch:
+            self._log.warning("claude.identity_mismatch", expected=evidence.expected, observed=evidence.mismatch_id)
+        # the native turn verifiably ended and the process outlived it (a settled turn, or an
+        # interrupted one drained to its result + idle): it may take the next message
+        self.quiesced = evidence.settled and not (isinstance(outcome, NotSettled)
+                                                  and outcome.reason == NotSettledReason.TRANSPORT_CLOSED)
 
     async def read_object(self) -> dict[str, Any] | None:
         if self._pending:
@@ -226,58 +192,10 @@ class ClaudeSession(NativeSession):
             while True:
                 try:
                     obj = await super().read_object()
-                except LaunchError:
+                except (LaunchError, TransportError):
                     return False
                 if obj is None:
                     return False
                 # An idle CLI prints nothing; anything that does come belongs to what follows.
                 self._pending.append(obj)
         return True
-
-    def _note_anchor(self, obj: dict[str, Any]) -> None:
-        if obj.get("type") == "assistant" and obj.get("parent_tool_use_id") is None and isinstance(obj.get("uuid"), str):
-            self.last_assistant_uuid = obj["uuid"]
-
-    def _emit(self, emit: EventSink, event: Any) -> None:
-        try:
-            emit(event)
-        except Exception:  # a consumer's bug must not break the protocol loop
-            self._log.exception("claude.emit_failed")
-
-    async def _refuse_control(self, obj: dict[str, Any]) -> None:
-        # Only sent with --permission-prompt-tool stdio, which this driver never passes; an
-        # unanswered request would block the turn forever, so refuse it.
-        request_id = obj.get("request_id")
-        if isinstance(request_id, str):
-            try:
-                await self.send_object(control_error_reply(request_id, "not supported by this supervisor"))
-            except TransportClosed:
-                pass
-
-    async def _send_interrupt(self) -> bool:
-        try:
-            await self.send_object(control_request("interrupt"))
-            return True
-        except TransportClosed:
-            return False
-
-    async def _interrupt_and_drain(self, tracker: TurnTracker, emit: EventSink) -> None:
-        """After a timeout: interrupt, and let the aborted turn finish so the transcript is
-        consistent (observed: result ``aborted_streaming`` + idle within ~20 ms, and the
-        process takes the next message). The turn stays unsettled either way."""
-        if not await self._send_interrupt():
-            return
-        with anyio.move_on_after(self.settings.interrupt_grace_s):
-            while not tracker.settled:
-                try:
-                    obj = await self.read_object()
-                except LaunchError:
-                    return
-                if obj is None:
-                    return
-                if obj.get("type") == "control_request":
-                    await self._refuse_control(obj)
-                elif obj.get("type") != "control_response":
-                    for event in tracker.feed(obj):
-                        self._emit(emit, event)
-            self.quiesced = True

@@ -31,6 +31,8 @@ from drivers.models import (
     FailureReason,
     Locator,
     Notice,
+    NotSettled,
+    NotSettledReason,
     RetryNotice,
     Settlement,
     TextDelta,
@@ -38,6 +40,7 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.reasons import classify_failure
+from drivers.session import Step, Tracker, TurnStart
 
 EVIDENCE = "claude:result"
 PROJECT_DIR_MAX = 200  # the CLI cuts sanitised project directory names here
@@ -374,3 +377,62 @@ class TurnTracker:
         return Settlement(evidence=EVIDENCE, is_error=is_error, reason=reason, detail=detail,
                           observed_locator=self.observed_locator(), assistant_text=self.assistant_text(),
                           retire_after=self.retried, raw=[result])
+
+
+# ---------------------------------------------------------------- the template's tracker
+
+
+class ClaudeTurnStart(TurnStart):
+    expected: str | None  # the root session id this turn must report
+    state_events: bool = True  # CLAUDE_CODE_EMIT_SESSION_STATE_EVENTS: settlement waits for idle
+
+
+class ClaudeTurn(Tracker):
+    """One user message and what follows, for the shared turn template: the evidence is a
+    :class:`TurnTracker`; control requests (only sent with ``--permission-prompt-tool stdio``,
+    which the driver never passes) are refused at once, as an unanswered one would block the
+    turn; when another session answers (a root id other than the expected one) the turn is
+    interrupted once to stop spending tokens — the settlement still reports that id and the
+    runner fails the turn."""
+
+    def __init__(self, start: ClaudeTurnStart) -> None:
+        self.start = start
+        self.evidence = TurnTracker(start.expected, state_events=start.state_events)
+        self.mismatch_interrupted = False
+        self.last_assistant_uuid: str | None = None  # = its transcript entry uuid: a fork anchor
+        self._interrupts = 0
+
+    def opening(self, message: str) -> list[dict[str, Any]]:
+        return [user_line(message)]
+
+    def feed(self, obj: dict[str, Any]) -> Step:
+        kind = obj.get("type")
+        if kind == "control_request":
+            request_id = obj.get("request_id")
+            if not isinstance(request_id, str):
+                return Step()
+            return Step(send=[control_error_reply(request_id, "not supported by this supervisor")])
+        if kind == "control_response":
+            return Step()  # the answer to our interrupt
+        step = Step(events=self.evidence.feed(obj))
+        if kind == "assistant" and is_root(obj) and isinstance(obj.get("uuid"), str):
+            self.last_assistant_uuid = obj["uuid"]
+        if self.evidence.init_mismatch and not self.mismatch_interrupted:
+            self.mismatch_interrupted = True
+            step.send = self.interrupt()
+        if self.evidence.settled:
+            step.outcome = self.evidence.settlement()
+        return step
+
+    def interrupt(self) -> list[dict[str, Any]]:
+        self._interrupts += 1
+        return [control_request("interrupt", f"ca-{self.start.turn}-interrupt-{self._interrupts}")]
+
+    def partial_text(self) -> str:
+        return self.evidence.partial_text()
+
+    def end_of_stream(self, diagnostics: str) -> NotSettled:
+        detail = "stream ended before settlement"
+        if self.evidence.result is not None:
+            detail = "stream ended after the result but before idle"
+        return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=detail, assistant_text=self.partial_text())

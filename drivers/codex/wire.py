@@ -13,6 +13,7 @@ response returned.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -24,6 +25,8 @@ from drivers.models import (
     HandshakeReason,
     Locator,
     Notice,
+    NotSettled,
+    NotSettledReason,
     RetryNotice,
     Settlement,
     TextDelta,
@@ -31,6 +34,7 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.reasons import classify_failure
+from drivers.session import Step, Tracker, TurnStart
 
 EVIDENCE = "codex:turn/completed"
 
@@ -334,3 +338,104 @@ _HANDLERS = {
     "error": TurnTracker._error,
     "warning": TurnTracker._warning,
 }
+
+
+# ---------------------------------------------------------------- the template's tracker
+
+
+class CodexTurnStart(TurnStart):
+    thread_id: str
+    request_id: int  # the id of this turn's turn/start request
+    known_turns: list[str] = []  # native turn ids this process already saw: a turn/start answering
+    # with one of them steered an old turn instead of starting one
+
+
+class CodexTurn(Tracker):
+    """One ``turn/start`` and what follows, for the shared turn template.
+
+    Before the ``turn/start`` response names the native turn id, notifications are buffered
+    (they may belong to it); server requests are refused at once in their method's own shape
+    (a pending one would stall the turn). ``next_id`` allocates ids for ``turn/interrupt``
+    requests (their answers are never read, so they do not affect the outcome).
+    """
+
+    drain_on_cancel = True  # a native turn left active would be steered by the next turn/start
+
+    def __init__(self, start: CodexTurnStart, next_id: Callable[[], int]) -> None:
+        self.start = start
+        self._next_id = next_id
+        self.turn_id: str | None = None
+        self.evidence: TurnTracker | None = None  # created once the turn id is known
+        self._early: list[dict[str, Any]] = []
+        self._interrupt_wanted = False
+
+    @property
+    def accepted(self) -> bool:
+        """turn/start succeeded: the thread is on disk from now on."""
+        return self.evidence is not None
+
+    @property
+    def ended(self) -> bool:
+        """The native turn ended (``turn/completed`` for it), whatever the outcome."""
+        return self.evidence is not None and self.evidence.settlement is not None
+
+    def opening(self, message: str) -> list[dict[str, Any]]:
+        return [{"method": "turn/start", "id": self.start.request_id,
+                 "params": {"threadId": self.start.thread_id, "input": [{"type": "text", "text": message}]}}]
+
+    def feed(self, obj: dict[str, Any]) -> Step:
+        kind = kind_of(obj)
+        if kind is Kind.REQUEST:
+            return Step(events=[Notice(name="server_request_refused", detail=str(obj.get("method")), raw=obj)],
+                        send=[answer_server_request(obj)])
+        if self.evidence is None:
+            if kind is Kind.RESPONSE and obj.get("id") == self.start.request_id:
+                return self._accepted(obj)
+            if kind is Kind.NOTIFICATION:
+                self._early.append(obj)  # may beat the turn/start response
+            return Step()
+        step = Step(events=self.evidence.feed(obj))
+        step.outcome = self.evidence.settlement
+        return step
+
+    def _accepted(self, resp: dict[str, Any]) -> Step:
+        if (err := rpc_error_message(resp)) is not None:
+            return Step(outcome=NotSettled(reason=NotSettledReason.COMMAND_REJECTED, detail=f"turn/start: {err}"))
+        turn_id = as_dict(as_dict(resp.get("result")).get("turn")).get("id")
+        if not isinstance(turn_id, str) or not turn_id:
+            return Step(outcome=NotSettled(reason=NotSettledReason.PROTOCOL_ERROR,
+                                           detail="turn/start returned no turn id"))
+        if turn_id in self.start.known_turns:
+            return Step(outcome=NotSettled(reason=NotSettledReason.PROTOCOL_ERROR,
+                                           detail=f"turn/start returned known turn {turn_id} (steered, not started)"))
+        self.turn_id = turn_id
+        self.evidence = TurnTracker(self.start.thread_id, turn_id)
+        step = Step()
+        for msg in self._early:
+            step.events += self.evidence.feed(msg)
+        self._early = []
+        step.outcome = self.evidence.settlement
+        if self._interrupt_wanted and step.outcome is None:
+            step.send = self._interrupt_now()
+        return step
+
+    def _interrupt_now(self) -> list[dict[str, Any]]:
+        assert self.turn_id is not None
+        return [{"method": "turn/interrupt", "id": self._next_id(),
+                 "params": {"threadId": self.start.thread_id, "turnId": self.turn_id}}]
+
+    def interrupt(self) -> list[dict[str, Any]]:
+        if self.ended:
+            return []
+        self._interrupt_wanted = True
+        return self._interrupt_now() if self.turn_id is not None else []
+
+    def partial_text(self) -> str:
+        return self.evidence.streamed_text if self.evidence is not None else ""
+
+    def end_of_stream(self, diagnostics: str) -> NotSettled:
+        what = "turn/start" if self.evidence is None else "turn"
+        tail = diagnostics.strip().splitlines()[-5:]
+        return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED,
+                          detail=f"{what}: stream ended" + (f"; stderr: {' | '.join(tail)}" if tail else ""),
+                          assistant_text=self.partial_text())

@@ -19,32 +19,25 @@ persisting nothing (protocols/pi.md §7), so an unexpected end of stdout is alwa
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Any
 
-import anyio
-
-from drivers.base import Driver, EventSink, Launch, LaunchError, NativeSession, as_dict, as_list, discard
+from drivers.base import Driver, ForkFailed, Launch, LaunchError, as_dict, as_list
 from drivers.models import (
+    DriverOptions,
     GatewayConfig,
     HandshakeFailed,
     HandshakeReason,
     Locator,
     MemberPaths,
-    NotSettled,
-    NotSettledReason,
     TurnOutcome,
 )
 from drivers.pi import launch as plans
 from drivers.pi.launch import PiSettings, planned_path, sessions_dir
-from drivers.pi.wire import PiTurn, state_locator
-from drivers.transport import Transport, TransportClosed
+from drivers.pi.wire import PiTracker, PiTurnStart, state_locator
+from drivers.session import NativeSession, Tracker, TurnStart
+from drivers.transport import Transport, TransportError
 
 __all__ = ["ForkFailed", "PiDriver", "PiSession", "PiSettings"]
-
-
-class ForkFailed(Exception):
-    """``get_fork_messages`` / ``fork`` / ``clone`` was refused or did not yield a new session."""
 
 
 class PiSession(NativeSession):
@@ -55,24 +48,24 @@ class PiSession(NativeSession):
         self.settings = settings or PiSettings()
         self.reported: Locator | None = None  # what get_state said at the handshake (NEW: not on disk yet)
         self.persisted = launch.resume  # the session file exists (RESTORED, or after an assistant message_end)
-        self.turn: PiTurn | None = None  # the turn in flight
         self._ids = itertools.count(1)
-        self._send_lock = anyio.Lock()
-        self._busy = anyio.Lock()
+
+    @property
+    def handshake_timeout_s(self) -> float:
+        return self.settings.handshake_timeout_s
+
+    @property
+    def handshake_answer(self) -> str:
+        return "get_state"
+
+    @property
+    def interrupt_grace_s(self) -> float:
+        return self.settings.abort_grace_s
 
     # ------------------------------------------------------------ plumbing
 
     def _next_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids)}"
-
-    async def _send(self, obj: dict[str, Any]) -> None:
-        async with self._send_lock:  # interrupt() may send while run_turn sends a barrier
-            try:
-                await self.send_object(obj)
-            except UnicodeEncodeError:
-                # A lone surrogate cannot be UTF-8 encoded raw; as a \uXXXX escape pi's
-                # JSON.parse restores the very same string.
-                await self.transport.send(json.dumps(obj, ensure_ascii=True).encode())
 
     async def _command(self, ctype: str, **fields: Any) -> dict[str, Any] | None:
         """Send one command and wait for its response; None if the stream ended first.
@@ -80,7 +73,7 @@ class PiSession(NativeSession):
         Only for idle moments (handshake, fork): events read meanwhile are dropped.
         """
         cid = self._next_id(ctype[:2])
-        await self._send({"id": cid, "type": ctype, **fields})
+        await self.send_object({"id": cid, "type": ctype, **fields})
         while True:
             obj = await self.read_object()
             if obj is None:
@@ -94,17 +87,8 @@ class PiSession(NativeSession):
 
     # ------------------------------------------------------------ handshake
 
-    async def handshake(self) -> None:
-        try:
-            with anyio.fail_after(self.settings.handshake_timeout_s):
-                resp = await self._command("get_state")
-        except LaunchError as exc:
-            raise self.launch_failed(exc) from exc
-        except TransportClosed as exc:
-            raise HandshakeFailed(HandshakeReason.PROCESS_FAILED, f"{exc}; {self._died('get_state')}") from exc
-        except TimeoutError as exc:
-            raise HandshakeFailed(HandshakeReason.PROCESS_FAILED,
-                                  f"no get_state answer within {self.settings.handshake_timeout_s}s") from exc
+    async def open(self) -> None:
+        resp = await self._command("get_state")
         if resp is None:
             raise HandshakeFailed(HandshakeReason.PROCESS_FAILED, self._died("get_state"))
         if resp.get("success") is not True:
@@ -131,82 +115,22 @@ class PiSession(NativeSession):
                 raise HandshakeFailed(HandshakeReason.LOCATOR_MISMATCH,
                                       f"NEW session reported {observed} (messageCount={count!r}); planned path {want}",
                                       observed=observed)
+            self.expected = observed  # the session pi created at the planned path
         self._log.info("pi.handshake", locator=str(observed), resume=self.launch.resume)
 
-    # ------------------------------------------------------------ turns
+    # ------------------------------------------------------------ turns (the template: drivers/session.py)
 
-    async def run_turn(self, message: str, *, emit: EventSink = discard, timeout_s: float = 600.0) -> TurnOutcome:
-        async with self._busy:
-            turn = PiTurn(prompt_id=self._next_id("p"))
-            self.turn = turn
-            try:
-                with anyio.move_on_after(timeout_s):
-                    return await self._turn(message, turn, emit)
-                await self._abort(turn)
-                return NotSettled(reason=NotSettledReason.TIMEOUT, detail=f"no settlement within {timeout_s}s",
-                                  assistant_text=turn.streamed_text)
-            except anyio.get_cancelled_exc_class():
-                with anyio.CancelScope(shield=True):
-                    await self._abort(turn)
-                raise
-            except (TransportClosed, LaunchError) as exc:
-                return await self.not_settled_on_error(exc, turn.streamed_text)
-            finally:
-                self.turn = None
+    def turn_start(self) -> PiTurnStart:
+        return PiTurnStart(turn=self.next_turn(), prompt_id=self._next_id("p"))
 
-    async def _turn(self, message: str, turn: PiTurn, emit: EventSink) -> TurnOutcome:
-        # The message goes out byte for byte: json.dumps(ensure_ascii=False) escapes only what
-        # JSON requires, and LF framing is safe because "\n" inside the text is escaped.
-        await self._send({"id": turn.prompt_id, "type": "prompt", "message": message})
-        while True:
-            obj = await self.read_object()
-            if obj is None:
-                return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=self._died("the turn"),
-                                  assistant_text=turn.streamed_text)
-            step = turn.feed(obj)
-            for event in step.events:
-                emit(event)
-            if turn.assistant_ended:
-                self.persisted = True  # pi flushes the session file on the first assistant message_end
-            if step.rejected is not None:
-                return NotSettled(reason=NotSettledReason.COMMAND_REJECTED, detail=step.rejected)
-            if step.no_evidence is not None:
-                return NotSettled(reason=NotSettledReason.PROTOCOL_ERROR, detail=step.no_evidence,
-                                  assistant_text=turn.streamed_text)
-            if step.settlement is not None:
-                self.turns += 1
-                self._verified(step.settlement.observed_locator)
-                return step.settlement
-            if step.send_barrier:
-                bid = self._next_id("b")
-                turn.barrier_sent(bid)
-                await self._send({"id": bid, "type": "get_state"})
+    def tracker(self, start: TurnStart) -> PiTracker:
+        assert isinstance(start, PiTurnStart)
+        return PiTracker(start)
 
-    def _verified(self, observed: Locator | None) -> None:
-        """Adopt the CLI-reported locator only when it is the one this process must serve;
-        a different one is left for the runner to reject (never silently corrected)."""
-        want = self.expected if self.expected is not None else self.reported
-        if observed is not None and observed == want:
-            self.locator = observed
-
-    async def _abort(self, turn: PiTurn) -> None:
-        """Best effort ``abort`` for a timed-out or cancelled turn (the process is retired anyway)."""
-        turn.aborted = True
-        with anyio.move_on_after(self.settings.abort_grace_s):
-            try:
-                await self._send({"id": self._next_id("a"), "type": "abort"})
-            except (TransportClosed, OSError) as exc:
-                self._log.info("pi.abort_failed", error=str(exc))
-
-    async def interrupt(self) -> bool:
-        """Send pi's native ``abort``; the running :meth:`run_turn` then settles the turn
-        (``stopReason:"aborted"``, or the cancelled retry). False when no turn is running."""
-        turn = self.turn
-        if turn is None:
-            return False
-        turn.aborted = True
-        await self._send({"id": self._next_id("a"), "type": "abort"})
-        return True
+    def turn_ended(self, tracker: Tracker, outcome: TurnOutcome) -> None:
+        assert isinstance(tracker, PiTracker)
+        if tracker.turn.assistant_ended:
+            self.persisted = True  # pi flushes the session file on the first assistant message_end
 
     # ------------------------------------------------------------ fork
 
@@ -237,7 +161,7 @@ class PiSession(NativeSession):
                 if resp is None or resp.get("success") is not True or as_dict(resp.get("data")).get("cancelled"):
                     raise ForkFailed(f"fork/clone refused: {self._died('fork') if resp is None else resp}")
                 state = await self._command("get_state")
-            except (TransportClosed, LaunchError) as exc:
+            except (TransportError, LaunchError) as exc:
                 raise ForkFailed(f"transport closed: {exc}") from exc
             data = as_dict(as_dict(state).get("data"))
             new = state_locator(data)
@@ -252,14 +176,19 @@ class PiSession(NativeSession):
 class PiDriver(Driver):
     runtime = "pi"
 
-    def __init__(self, settings: PiSettings | None = None, **overrides: Any) -> None:
+    fork_home = "new"  # the fork file goes to the new member's own sessions dir
+
+    def __init__(self, settings: PiSettings | None = None, *, options: DriverOptions | None = None,
+                 **overrides: Any) -> None:
+        self.options = options or DriverOptions()
         base = settings or PiSettings()
         self.settings = base.model_copy(update=overrides) if overrides else base
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
         return plans.plan(self.settings, paths, gateway, resume)
 
-    def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, source: Locator) -> Launch:
+    def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, source: Locator,
+                  at_turn: int | None = None) -> Launch:
         """The process that forks ``source`` for a NEW member whose paths are ``paths``.
 
         It resumes the source file (RESTORED prechecks and handshake on ``source``) with

@@ -2,7 +2,8 @@
 
 Sans-IO: :class:`PiTurn` is fed every JSON object pi prints during one turn and answers
 with what the session must do (send a ``get_state`` barrier, stop because the turn settled
-or was rejected). It never raises on odd input: any field may be missing or of the wrong
+or was rejected); :class:`PiTracker` is that rule as the shared template's tracker (it owns
+the ids of everything it sends, so a recorded turn replays to the same outcome). It never raises on odd input: any field may be missing or of the wrong
 type (hypothesis tests feed it garbage).
 
 Why a barrier (protocols/pi.md §4): ``agent_end`` is not settlement in 0.73.1. In the same
@@ -26,6 +27,8 @@ from drivers.models import (
     FailureReason,
     Locator,
     Notice,
+    NotSettled,
+    NotSettledReason,
     RetryNotice,
     Settlement,
     TextDelta,
@@ -33,6 +36,8 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.reasons import classify_failure
+from drivers.session import Step as TurnStep
+from drivers.session import Tracker, TurnStart
 
 EVIDENCE = "pi:agent_end+get_state"
 TEXT_JOINER = "\n\n"
@@ -292,3 +297,54 @@ class PiTurn:
             detail = f"{detail} (retry cancelled)"
         return Settlement(evidence=EVIDENCE, is_error=True, reason=reason, detail=detail, observed_locator=observed,
                           assistant_text=text, raw=raw)
+
+
+class PiTurnStart(TurnStart):
+    prompt_id: str  # barrier and abort ids derive from it
+
+
+class PiTracker(Tracker):
+    """:class:`PiTurn` behind the template's tracker interface."""
+
+    def __init__(self, start: PiTurnStart) -> None:
+        self.start = start
+        self.turn = PiTurn(prompt_id=start.prompt_id)
+        self._barriers = 0
+        self._aborts = 0
+
+    def opening(self, message: str) -> list[dict[str, Any]]:
+        # The message goes out byte for byte: json.dumps(ensure_ascii=False) escapes only what
+        # JSON requires, and LF framing is safe because "\n" inside the text is escaped.
+        return [{"id": self.start.prompt_id, "type": "prompt", "message": message}]
+
+    def feed(self, obj: dict[str, Any]) -> TurnStep:
+        step = self.turn.feed(obj)
+        out = TurnStep(events=step.events)
+        if step.rejected is not None:
+            out.outcome = NotSettled(reason=NotSettledReason.COMMAND_REJECTED, detail=step.rejected)
+        elif step.no_evidence is not None:
+            out.outcome = NotSettled(reason=NotSettledReason.PROTOCOL_ERROR, detail=step.no_evidence,
+                                     assistant_text=self.partial_text())
+        elif step.settlement is not None:
+            out.outcome = step.settlement
+        elif step.send_barrier:
+            self._barriers += 1
+            barrier = f"{self.start.prompt_id}.b{self._barriers}"
+            self.turn.barrier_sent(barrier)
+            out.send.append({"id": barrier, "type": "get_state"})
+        return out
+
+    def interrupt(self) -> list[dict[str, Any]]:
+        # pi then ends the run (stopReason "aborted", or the cancelled retry) and the barrier settles it
+        self.turn.aborted = True
+        self._aborts += 1
+        return [{"id": f"{self.start.prompt_id}.a{self._aborts}", "type": "abort"}]
+
+    def partial_text(self) -> str:
+        return self.turn.streamed_text
+
+    def end_of_stream(self, diagnostics: str) -> NotSettled:
+        tail = diagnostics.strip().splitlines()[-5:]
+        return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED,
+                          detail="stream ended during the turn" + (f": {' | '.join(tail)}" if tail else ""),
+                          assistant_text=self.partial_text())

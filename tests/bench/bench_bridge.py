@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from deploy.loopback import LoopbackFixture  # noqa: E402
 from drivers.bridge import BridgeDriver  # noqa: E402
-from drivers.models import GatewayConfig, MemberPaths, Settlement  # noqa: E402
+from drivers.models import DriverOptions, GatewayConfig, MemberPaths, Settlement  # noqa: E402
+from images.pins import load_pins  # noqa: E402
 from tests.support.bridge_replay import BRIDGE_PATH, bridge_module  # noqa: E402
 from tests.support.local_process import LocalProcessTransport  # noqa: E402
 
@@ -128,7 +129,8 @@ async def bench(runtime: str, turns: int) -> None:
     try:
         with LoopbackFixture.start() as fx:
             gw = GatewayConfig(base_url=fx.base_url, key="sk-bench", model="bench-model")
-            driver = BridgeDriver(runtime, path=PATH, bridge_command=("python3", str(BRIDGE_PATH)))
+            driver = BridgeDriver(runtime, DriverOptions(helper_version=load_pins().helper.version), path=PATH,
+                                  bridge_command=("python3", str(BRIDGE_PATH)))
             paths = MemberPaths(home=str(base / "b" / "home"), workspace=str(base / "b" / "ws"),
                                 run_dir=str(base / "b" / "run"))
             launch = driver.plan(paths, gw, None)

@@ -39,6 +39,7 @@ from drivers.bridge import BridgeDriver
 from drivers.bridge.launch import native_db
 from drivers.bridge.session import BridgeSession
 from drivers.models import (
+    DriverOptions,
     FailureReason,
     GatewayConfig,
     HandshakeFailed,
@@ -79,7 +80,8 @@ class Box(DriverBox):
                     gateway: GatewayConfig | None = None, git: bool = False) -> BridgeSession:
         trace = self.next_run_dir(paths) / "trace.jsonl"
         self.traces.append(trace)
-        driver = BridgeDriver(runtime, bridge_args=("--trace", str(trace), *bridge_args), config_overrides=config)
+        driver = BridgeDriver(runtime, DriverOptions(helper_version=load_pins().helper.version),
+                              bridge_args=("--trace", str(trace), *bridge_args), config_overrides=config)
         launch = driver.plan(paths, gateway or self.gateway, resume)
         assert KEY not in json.dumps(launch.spec.model_dump(exclude={"secret_env"}), default=str)
         t = await self.launch(launch.spec, paths, setup_workspace=self._git_commit if git else None)

@@ -313,7 +313,7 @@ async def test_message_is_sent_unchanged(box: Box) -> None:
 async def test_raw_slash_clear_would_switch_sessions_and_is_reported(box: Box, monkeypatch) -> None:
     """Why slash-looking text gets the trailing empty block: sent as a plain string, "/clear"
     is run by the CLI and the turn reports a NEW session id. The driver surfaces it."""
-    import drivers.claude.session as claude_module
+    import drivers.claude.wire as claude_module
 
     def plain(message: str) -> dict[str, Any]:
         return {"type": "user", "message": {"role": "user", "content": message}, "parent_tool_use_id": None,

@@ -15,6 +15,7 @@ from drivers.bridge import BridgeDriver
 from drivers.bridge.launch import KEY_ENV, native_db
 from drivers.bridge.session import BridgeCommandError, BridgeSession
 from drivers.models import (
+    DriverOptions,
     FailureReason,
     GatewayConfig,
     HandshakeFailed,
@@ -31,11 +32,13 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.registry import get_driver
+from images.pins import load_pins
 
 KEY = "sk-unit-canary-77aa"
 PATHS = MemberPaths(home="/m/home", workspace="/w/ws", run_dir="/m/run")
 GW = GatewayConfig(base_url="http://127.0.0.1:9999/", key=KEY, model="fx-model")
 SID = "ses_abc123"
+PINNED = DriverOptions(helper_version=load_pins().helper.version)  # the runner's launch input
 HELLO = {"type": "hello", "version": 4, "runtime": "opencode", "cli_version": "1.18.33"}
 
 
@@ -71,7 +74,7 @@ class FakeTransport:
 
 def session(lines: list[Any], resume: Locator | None = None, runtime: str = "opencode",
             hang: bool = False) -> tuple[BridgeSession, FakeTransport]:
-    driver = BridgeDriver(runtime)
+    driver = BridgeDriver(runtime, PINNED)
     launch = driver.plan(PATHS, GW, resume)
     t = FakeTransport(lines, hang)
     return driver.session(t, launch), t
@@ -140,6 +143,18 @@ async def test_handshake_new() -> None:
     await s.handshake()
     assert t.sent == [{"type": "open"}]
     assert s.session_id == SID and s.cli_version == "1.18.33" and s.locator is None
+    assert s.expected == Locator(id=SID)  # NEW: the session it opened is the one it must serve
+
+
+@pytest.mark.anyio
+async def test_handshake_without_a_pinned_helper_version_is_refused() -> None:
+    """The pin reaches the driver as a launch input; a driver given none never trusts a bridge."""
+    driver = BridgeDriver("opencode")
+    t = FakeTransport([HELLO, {"type": "opened", "session_id": SID, "created": True}])
+    s = driver.session(t, driver.plan(PATHS, GW, None))
+    with pytest.raises(HandshakeFailed) as exc:
+        await s.handshake()
+    assert exc.value.reason is HandshakeReason.HELPER_VERSION and t.sent == []
 
 
 @pytest.mark.anyio

@@ -84,7 +84,7 @@ async def test_new_thread_two_live_turns() -> None:
     s, t = session(entries)
     await s.handshake()
     thread = thread_of(entries)
-    assert s.thread_id == thread and s.expected is None and s.locator is None and not s.persisted
+    assert s.thread_id == thread and s.expected == Locator(id=thread) and s.locator is None and not s.persisted
     assert s.cli_version == "0.171.0"
     events: list[Any] = []
     r1 = await s.run_turn("hello codex", emit=events.append, timeout_s=5)
@@ -221,7 +221,7 @@ async def test_other_threads_notifications_are_ignored() -> None:
     await s.run_turn("before the fork", timeout_s=5)
     fork = await s.fork()
     assert fork.id != s.thread_id
-    s._ignored.add(await s._request("turn/start", {"threadId": fork.id, "input": [{"type": "text", "text": "f"}]}))
+    await s._request("turn/start", {"threadId": fork.id, "input": [{"type": "text", "text": "f"}]})  # its answer: a stray
     events: list[Any] = []
     r = await s.run_turn("SLOWME mine", emit=events.append, timeout_s=5)
     assert isinstance(r, Settlement) and r.assistant_text == "ok 2: 0fa4d21144"
@@ -241,7 +241,8 @@ async def test_turn_completed_with_another_thread_id() -> None:
     await s.handshake()
     r = await s.run_turn("hello codex", timeout_s=5)
     assert isinstance(r, Settlement) and r.observed_locator == Locator(id="01a2ffff-0000-7000-8000-000000000000")
-    assert s.locator is None and s.expected is None  # never "corrected" to the thread we started
+    # never "corrected": the runner compares with the thread we started and fails the turn
+    assert s.locator is None and s.expected == Locator(id=thread_of(entries))
 
 
 # ---------------------------------------------------------------- not settled

@@ -42,6 +42,10 @@ class EngineConfig:
     socket_path: str = DEFAULT_SOCKET
     data_root: str = DEFAULT_DATA_ROOT
     ready_timeout_s: float = 60.0
+    # A second engine on the same machine (the fleet tests' hosts) needs its own exec root
+    # (its containerd and runtime state) and pidfile; None = dockerd's defaults.
+    exec_root: str | None = None
+    pidfile: str | None = None
 
     @classmethod
     def from_env(cls) -> "EngineConfig":
@@ -89,7 +93,7 @@ def install_engine() -> None:
         raise EngineSetupError("install docker.io", "dockerd is still not on PATH after installing docker.io")
 
 
-def start_dockerd(cfg: EngineConfig) -> None:
+def start_dockerd(cfg: EngineConfig) -> subprocess.Popen[bytes]:
     if os.geteuid() != 0:
         raise EngineSetupError("start dockerd", "not root: dockerd must run as root here")
     data_root = Path(cfg.data_root)
@@ -103,14 +107,20 @@ def start_dockerd(cfg: EngineConfig) -> None:
         # `host` and `none` networking still work.
         "--bridge", "none", "--iptables=false", "--ip-masq=false",
     ]
+    if cfg.exec_root:
+        argv += ["--exec-root", cfg.exec_root]
+    if cfg.pidfile:
+        argv += ["--pidfile", cfg.pidfile]
     log.info("engine.step", step="start dockerd", argv=" ".join(argv), log=str(log_path))
     with open(log_path, "ab") as out:
-        subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True)
     deadline = time.monotonic() + cfg.ready_timeout_s
     while time.monotonic() < deadline:
         if ping(cfg.socket_path):
-            return
+            return proc
+        if proc.poll() is not None:
+            break
         time.sleep(0.1)
     tail = log_path.read_text(errors="replace").strip().splitlines()[-5:] if log_path.exists() else []
     raise EngineSetupError("wait for /_ping", f"no answer within {cfg.ready_timeout_s:.0f}s; dockerd log: " + " | ".join(tail))

@@ -102,7 +102,7 @@ async def bench_hosts(pg, fx: LoopbackFixture, image: str, engs: list, root: Pat
     results = {}
     for label, n in (("1 host ", 1), ("3 hosts", 3)):
         url = await anyio.to_thread.run_sync(pg.create_database, "bench")
-        with fleet_hosts(engs[:n], store_url=url, gateway_url=fx.base_url, image=image, root=root / label.strip(),
+        with fleet_hosts(engs[:n], store_url=url, gateway_url=fx.base_url, image=image, root=root / label.strip().replace(" ", "-"),
                          lease_ttl_s=30) as hosts:
             await drive(hosts, 1, 1)  # warm-up: image layers, CLI caches
             rate, lat, fails = await drive(hosts, chats, turns)

@@ -183,6 +183,10 @@ def engines(n: int, image: str) -> Iterator[list[Engine]]:
                     eng.start()  # a killed host's engine comes back only to be cleaned
                 eng.remove_all_containers()
                 eng.stop()
+                # dockerd leaves its default network namespace bind-mounted in the exec root
+                netns = Path(eng.cfg.exec_root or "") / "netns" / "default"
+                if os.path.ismount(netns):
+                    subprocess.run(["umount", "-l", str(netns)], capture_output=True)
             shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -159,6 +159,7 @@ class Settlement(BaseModel):
     observed_locator: Locator | None
     assistant_text: str = ""
     retire_after: bool = False  # Claude retry defect: retire the process after commit
+    compacted: bool = False  # the CLI compacted its own history during this turn (native compaction on)
     raw: list[dict[str, Any]] = Field(default_factory=list)  # the settlement event(s), verbatim
 
 

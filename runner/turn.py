@@ -126,6 +126,7 @@ class TurnRunner:
         info = SettlementInfo()
         if settlement is not None:
             info = SettlementInfo(evidence=settlement.evidence, is_error=settlement.is_error,
+                                  compacted=settlement.compacted,
                                   detail=settlement.detail, raw=settlement.raw)
         elif detail:
             info = SettlementInfo(detail=detail)

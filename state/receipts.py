@@ -28,6 +28,8 @@ class SettlementInfo(BaseModel):
     evidence: str | None = None
     is_error: bool | None = None
     detail: str | None = None
+    compacted: bool = Field(default=False, description="the CLI compacted its native history during this turn "
+                            "(only with CLOUD_AGENT_NATIVE_COMPACTION=on)")
     raw: list[dict[str, Any]] = Field(default_factory=list)
 
 

@@ -53,7 +53,7 @@ def native_db(runtime: str, home: str) -> str:
 
 
 def server_config(gateway: GatewayConfig, *, limits: Mapping[str, int] | None = None,
-                  overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  overrides: Mapping[str, Any] | None = None, compaction: bool = False) -> dict[str, Any]:
     model = gateway.model
     config: dict[str, Any] = {
         "$schema": "https://opencode.ai/config.json",
@@ -64,9 +64,10 @@ def server_config(gateway: GatewayConfig, *, limits: Mapping[str, int] | None = 
         "enabled_providers": [PROVIDER_ID],
         # Both CLIs answer a context-window refusal by compacting on their own (summary requests,
         # a synthetic "What did we do so far?" user message, a retry), which rewrites the history
-        # the next request carries and hides the refusal. Off: the refusal settles the turn as
-        # context_too_long and the history stays verbatim. Pruning old tool output is off too.
-        "compaction": {"auto": False, "prune": False},
+        # the next request carries and hides the refusal. Off (CLOUD_AGENT_NATIVE_COMPACTION): the
+        # refusal settles the turn as context_too_long and the history stays verbatim; pruning old
+        # tool output is part of it. On: the CLIs' defaults.
+        "compaction": {"auto": compaction, "prune": compaction},
         "provider": {
             PROVIDER_ID: {
                 "npm": "@ai-sdk/openai-compatible",
@@ -82,11 +83,12 @@ def server_config(gateway: GatewayConfig, *, limits: Mapping[str, int] | None = 
 
 def plan(runtime: str, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None, *,
          bridge_args: Sequence[str] = (), config_overrides: Mapping[str, Any] | None = None, path: str = IMAGE_PATH,
-         limits: Mapping[str, int] | None = None, bridge_command: Sequence[str] = (BRIDGE_COMMAND,)) -> Launch:
+         limits: Mapping[str, int] | None = None, bridge_command: Sequence[str] = (BRIDGE_COMMAND,),
+         compaction: bool = False) -> Launch:
     home = paths.home
     xdg = xdg_env(home)
     prefix = "OPENCODE" if runtime == "opencode" else "KILO"
-    config = server_config(gateway, limits=limits, overrides=config_overrides)
+    config = server_config(gateway, limits=limits, overrides=config_overrides, compaction=compaction)
     env = {"PATH": path, "LANG": "C.UTF-8", **xdg,
            f"{prefix}_CONFIG_CONTENT": json.dumps(config),
            f"{prefix}_DISABLE_MODELS_FETCH": "1", f"{prefix}_DISABLE_AUTOUPDATE": "1",

@@ -191,7 +191,7 @@ class BridgeDriver(Driver):
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
         return plans.plan(self.runtime, paths, gateway, resume, bridge_args=self.bridge_args,
                           config_overrides=self.config_overrides, path=self.path, limits=self.limits,
-                          bridge_command=self.bridge_command)
+                          bridge_command=self.bridge_command, compaction=self.options.native_compaction)
 
     def session(self, transport: Transport, launch: Launch) -> BridgeSession:
         return BridgeSession(transport, launch, self.runtime, helper_version=self.options.helper_version)

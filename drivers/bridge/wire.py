@@ -57,7 +57,8 @@ def settlement_from(obj: dict[str, Any], runtime: str) -> Settlement:
     text = obj.get("text")
     return Settlement(evidence=f"{runtime}:bridge.settled", is_error=not ok, reason=failure_reason(obj), detail=detail,
                       observed_locator=Locator(id=sid) if isinstance(sid, str) and sid else None,
-                      assistant_text=text if isinstance(text, str) else "", raw=[obj])
+                      assistant_text=text if isinstance(text, str) else "", compacted=obj.get("compacted") is True,
+                      raw=[obj])
 
 
 def driver_events(obj: dict[str, Any], started: set[str]) -> list[DriverEvent]:

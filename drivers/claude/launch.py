@@ -74,7 +74,8 @@ def argv(settings: ClaudeSettings, gateway: GatewayConfig) -> list[str]:
             "--verbose", "--model", gateway.model, "--permission-mode", settings.permission_mode]
 
 
-def environment(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig) -> dict[str, str]:
+def environment(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig, *,
+                compaction: bool = False) -> dict[str, str]:
     tmp = tmp_dir(paths)
     env = {
         "HOME": paths.home,
@@ -93,6 +94,12 @@ def environment(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayCo
         "CLAUDE_CODE_DISABLE_BACKGROUND_TASKS": "1",
         "CLAUDE_CODE_MAX_RETRIES": str(settings.max_retries),
     }
+    if not compaction:
+        # 2.1.220 compacts reactively on a prompt-too-long 400 (a summary request, then the
+        # request retried on a rewritten history) and proactively near the window; both are
+        # gated on these (DISABLE_COMPACT also removes /compact, which the driver never sends).
+        env["DISABLE_AUTO_COMPACT"] = "1"
+        env["DISABLE_COMPACT"] = "1"
     if settings.state_events:
         env["CLAUDE_CODE_EMIT_SESSION_STATE_EVENTS"] = "1"
     if settings.path:
@@ -101,12 +108,12 @@ def environment(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayCo
 
 
 def spec(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig, command: list[str], *,
-         require: list[str] | None = None, files: list[FileSpec] | None = None) -> LaunchSpec:
+         require: list[str] | None = None, files: list[FileSpec] | None = None, compaction: bool = False) -> LaunchSpec:
     return LaunchSpec(
         runtime=RUNTIME,
         argv=command,
         cwd=paths.workspace,
-        env=environment(settings, paths, gateway),
+        env=environment(settings, paths, gateway, compaction=compaction),
         secret_env={KEY_ENV: gateway.key},
         files=files or [],
         dirs=[paths.home, config_dir(paths), tmp_dir(paths), paths.workspace, paths.run_dir],
@@ -114,21 +121,23 @@ def spec(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig, c
     )
 
 
-def plan(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
+def plan(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None, *,
+         compaction: bool = False) -> Launch:
     command = argv(settings, gateway)
     if resume is None:
         expected = Locator(id=str(uuid.uuid4()))
-        return Launch(spec=spec(settings, paths, gateway, command + ["--session-id", expected.id]),
+        return Launch(spec=spec(settings, paths, gateway, command + ["--session-id", expected.id],
+                                compaction=compaction),
                       expected=expected, resume=False)
     # The precheck turns a missing transcript into launch_error before the CLI (and its
     # preconnect) ever starts: HandshakeFailed(native_state_missing), zero requests.
     return Launch(spec=spec(settings, paths, gateway, command + ["--resume", safe_id(resume.id)],
-                            require=[transcript(paths, resume)]),
+                            require=[transcript(paths, resume)], compaction=compaction),
                   expected=resume, resume=True)
 
 
 def plan_fork(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig, parent: Locator,
-              at_turn: int | None, *, at_message: str | None = None) -> Launch:
+              at_turn: int | None, *, at_message: str | None = None, compaction: bool = False) -> Launch:
     """A NEW session id branched from ``parent`` (same ``paths``: same cwd and config dir).
 
     ``at_turn=None`` forks the whole history. ``at_turn=N`` keeps the first N user prompts
@@ -154,5 +163,6 @@ def plan_fork(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConf
         source = Path(__file__).with_name("fork_at.py").read_text()
         files.append(FileSpec(path=resolver, content=source, mode=0o644))
         command = [settings.python, resolver, "--transcript", parent_file, "--turn", str(at_turn), "--", *command]
-    return Launch(spec=spec(settings, paths, gateway, command, require=[parent_file], files=files),
+    return Launch(spec=spec(settings, paths, gateway, command, require=[parent_file], files=files,
+                            compaction=compaction),
                   expected=new, resume=True)

@@ -57,12 +57,13 @@ class ClaudeDriver(Driver):
         return plans.transcript(paths, locator)
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
-        return plans.plan(self.settings, paths, gateway, resume)
+        return plans.plan(self.settings, paths, gateway, resume, compaction=self.options.native_compaction)
 
     def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, parent: Locator, at_turn: int | None,
                   *, at_message: str | None = None) -> Launch:
         """See :func:`drivers.claude.launch.plan_fork`."""
-        return plans.plan_fork(self.settings, paths, gateway, parent, at_turn, at_message=at_message)
+        return plans.plan_fork(self.settings, paths, gateway, parent, at_turn, at_message=at_message,
+                               compaction=self.options.native_compaction)
 
     def session(self, transport: Transport, launch: Launch) -> "ClaudeSession":
         return ClaudeSession(transport, launch, self.settings)

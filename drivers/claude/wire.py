@@ -265,6 +265,7 @@ class TurnTracker:
         self.finished_tasks: set[str] = set()
         self.background: list[Any] = []  # latest background_tasks_changed.tasks
         self.retried = False
+        self.compacted = False  # a root compact_boundary in this turn (native compaction on)
         self.texts: list[str] = []
         self.ignored_results = 0
         self.stale_results = 0
@@ -310,6 +311,8 @@ class TurnTracker:
                 self.cli_version = version
         elif sub == "api_retry":
             self.retried = True
+        elif sub == "compact_boundary" and is_root(obj) and self.init_seen:
+            self.compacted = True
         elif sub == "session_state_changed" and self.result is not None:
             state = obj.get("state")
             if state == "running":
@@ -376,7 +379,7 @@ class TurnTracker:
             detail = as_str(result.get("result")) or result_errors(result) or as_str(result.get("terminal_reason"))
         return Settlement(evidence=EVIDENCE, is_error=is_error, reason=reason, detail=detail,
                           observed_locator=self.observed_locator(), assistant_text=self.assistant_text(),
-                          retire_after=self.retried, raw=[result])
+                          retire_after=self.retried, compacted=self.compacted, raw=[result])
 
 
 # ---------------------------------------------------------------- the template's tracker

@@ -70,6 +70,14 @@ def toml_str(value: str) -> str:
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
+# Codex 0.171 has no switch for its compaction: after a context-window refusal it marks its usage
+# as the full model window, and the next turn's pre-sampling check compacts because the usage is
+# past min(model_auto_compact_token_limit, 90% of the window): the configured limit is clamped
+# (measured with it at i64::MAX, with and without model_auto_compact_token_limit_scope "total":
+# the summary request still came; tests/regression/test_compaction.py). With native compaction off the driver therefore
+# cannot prevent it; the turn that compacted says so (Settlement.compacted) and the receipt shows it.
+
+
 def render_config(paths: MemberPaths, gateway: GatewayConfig, settings: CodexSettings) -> str:
     base_url = gateway.base_url.rstrip("/") + "/v1"
     model = settings.model or gateway.model

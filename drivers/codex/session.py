@@ -268,6 +268,7 @@ class CodexDriver(Driver):
         self.settings = CodexSettings(**{**base.model_dump(), **overrides}) if overrides else base
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
+        # the compaction policy has no Codex switch (drivers/codex/launch.py): reported, not prevented
         return plans.plan(self.settings, paths, gateway, resume)
 
     def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, source: Locator,

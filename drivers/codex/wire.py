@@ -225,6 +225,7 @@ class TurnTracker:
         self.thread_id = thread_id
         self.turn_id = turn_id
         self.settlement: Settlement | None = None
+        self.compacted = False  # Codex compacted the thread's history during this turn
         self._deltas: dict[str, list[str]] = {}
         self._completed: list[str] = []
         self._open_tools: set[str] = set()
@@ -250,6 +251,9 @@ class TurnTracker:
             return self._completed_turn(msg, params)
         if not self._ours(params):
             return []
+        if method == "thread/compacted":
+            self.compacted = True
+            return [Notice(name="compacted", detail=None, raw=msg)]
         handler = _HANDLERS.get(method)
         return handler(self, msg, params) if handler is not None else []
 
@@ -270,6 +274,9 @@ class TurnTracker:
         item = as_dict(params.get("item"))
         kind = item.get("type")
         item_id = str(item.get("id"))
+        if kind == "contextCompaction":
+            self.compacted = True
+            return [Notice(name="compacted", detail=None, raw=msg)] if started else []
         if kind == "agentMessage" and not started:
             text = item.get("text")
             if isinstance(text, str) and text:
@@ -306,16 +313,18 @@ class TurnTracker:
         error = as_dict(turn.get("error"))
         if status == "completed":
             self.settlement = Settlement(evidence=EVIDENCE, is_error=False, observed_locator=observed,
-                                         assistant_text=text, raw=[msg])
+                                         assistant_text=text, compacted=self.compacted, raw=[msg])
         elif status == "interrupted":
             self.settlement = Settlement(evidence=EVIDENCE, is_error=True, reason=FailureReason.ABORTED,
                                          detail=error_detail(error) or "turn interrupted",
-                                         observed_locator=observed, assistant_text=text, raw=[msg])
+                                         observed_locator=observed, assistant_text=text, compacted=self.compacted,
+                                         raw=[msg])
         else:
             # "failed" (and any status this version does not know): the CLI ended the turn.
             detail = error_detail(error) or f"turn ended with status {status!r}"
             self.settlement = Settlement(evidence=EVIDENCE, is_error=True, reason=failure_reason(error),
-                                         detail=detail, observed_locator=observed, assistant_text=text, raw=[msg])
+                                         detail=detail, observed_locator=observed, assistant_text=text,
+                                         compacted=self.compacted, raw=[msg])
         return []
 
     def _final_text(self, turn: dict[str, Any]) -> str:

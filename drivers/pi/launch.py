@@ -91,7 +91,7 @@ def models_json(gateway: GatewayConfig, settings: PiSettings) -> str:
     return json.dumps({"providers": {PROVIDER: provider}}, indent=2) + "\n"
 
 
-def settings_json(gateway: GatewayConfig, settings: PiSettings) -> str:
+def settings_json(gateway: GatewayConfig, settings: PiSettings, *, compaction: bool = False) -> str:
     return json.dumps({
         "defaultProvider": PROVIDER,
         "defaultModel": gateway.model,
@@ -102,14 +102,19 @@ def settings_json(gateway: GatewayConfig, settings: PiSettings) -> str:
         "shellCommandPrefix": f"unset {KEY_ENV}",
         "retry": {"enabled": settings.retry_enabled, "maxRetries": settings.retry_max,
                   "baseDelayMs": settings.retry_base_delay_ms, "provider": {"maxRetries": 0}},
+        # Off: neither the overflow recovery (a summary request, then the prompt re-run on the
+        # compacted history) nor threshold compaction runs; a context-window 400 ends the turn.
+        "compaction": {"enabled": compaction},
     }, indent=2) + "\n"
 
 
-def config_files(paths: MemberPaths, gateway: GatewayConfig, settings: PiSettings) -> list[FileSpec]:
+def config_files(paths: MemberPaths, gateway: GatewayConfig, settings: PiSettings, *,
+                 compaction: bool = False) -> list[FileSpec]:
     root = agent_dir(paths)
     return [
         FileSpec(path=posixpath.join(root, "models.json"), content=models_json(gateway, settings)),
-        FileSpec(path=posixpath.join(root, "settings.json"), content=settings_json(gateway, settings)),
+        FileSpec(path=posixpath.join(root, "settings.json"),
+                 content=settings_json(gateway, settings, compaction=compaction)),
     ]
 
 
@@ -140,7 +145,8 @@ def planned_path(spec: LaunchSpec) -> str | None:
     return None
 
 
-def plan(settings: PiSettings, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
+def plan(settings: PiSettings, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None, *,
+         compaction: bool = False) -> Launch:
     if resume is not None and not resume.path:
         raise ValueError(f"a pi locator needs the session file path: {resume!r}")
     path = resume.path if resume is not None else new_session_path(paths)
@@ -151,7 +157,7 @@ def plan(settings: PiSettings, paths: MemberPaths, gateway: GatewayConfig, resum
         cwd=paths.workspace,
         env=environment(paths, settings),
         secret_env={KEY_ENV: gateway.key},
-        files=config_files(paths, gateway, settings),
+        files=config_files(paths, gateway, settings, compaction=compaction),
         dirs=[paths.home, agent_dir(paths), sessions_dir(paths), paths.workspace, paths.run_dir],
         # RESTORED: the file must exist and carry the saved id, or pi would start a new
         # session at that path (protocols/pi.md §5) — the launcher refuses first.

@@ -185,7 +185,7 @@ class PiDriver(Driver):
         self.settings = base.model_copy(update=overrides) if overrides else base
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
-        return plans.plan(self.settings, paths, gateway, resume)
+        return plans.plan(self.settings, paths, gateway, resume, compaction=self.options.native_compaction)
 
     def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, source: Locator,
                   at_turn: int | None = None) -> Launch:

@@ -130,6 +130,7 @@ class PiTurn:
     streamed: list[str] = field(default_factory=list)
     assistant_ended: bool = False  # an assistant message_end was seen (the session file is flushed)
     retries: int = 0
+    compacted: bool = False  # a compaction of this turn (overflow recovery or threshold)
     pending_error: dict[str, Any] | None = None
     retry_cancelled: bool = False
 
@@ -243,6 +244,7 @@ class PiTurn:
 
     def _on_compaction_start(self, obj: dict[str, Any], step: Step) -> None:
         self.compacting = True
+        self.compacted = True
         self._flush_error(step, will_retry=as_str(obj.get("reason")) == "overflow")
         step.events.append(Notice(name="compaction", detail=as_str(obj.get("reason")), raw=obj))
 
@@ -289,14 +291,14 @@ class PiTurn:
         text = TEXT_JOINER.join(self.run_texts)
         if stop in ("stop", "toolUse"):
             return Settlement(evidence=EVIDENCE, is_error=False, observed_locator=observed, assistant_text=text,
-                              raw=raw)
+                              compacted=self.compacted, raw=raw)
         aborted = self.aborted and (stop in ("error", "aborted") or self.retry_cancelled)
         reason = failure_reason(stop, error, aborted=aborted)
         detail = error or (f"stopReason={stop}" if stop else "no stopReason")
         if self.retry_cancelled and "Retry cancelled" not in detail:
             detail = f"{detail} (retry cancelled)"
         return Settlement(evidence=EVIDENCE, is_error=True, reason=reason, detail=detail, observed_locator=observed,
-                          assistant_text=text, raw=raw)
+                          assistant_text=text, compacted=self.compacted, raw=raw)
 
 
 class PiTurnStart(TurnStart):

@@ -196,7 +196,7 @@ _SUMMARY = r"(?P<summary>Fixture summary of \d+ user message\(s\)\.)"
 SUMMARY_WRAPPERS = {
     "claude": re.compile(
         r"\AThis session is being continued from a previous conversation that ran out of context\. "
-        r".*?\n\n" + _SUMMARY + r"\n\n.*?Pick up the last task as if the break never happened\.\n", re.DOTALL),
+        r".*?\n\n" + _SUMMARY + r"\n\n.*?Pick up the last task as if the break never happened\.(?:\n|\Z)", re.DOTALL),
     "codex": re.compile(
         r"\AAnother language model started to solve this problem and produced a summary of its thinking "
         r"process\..*?\n" + _SUMMARY + r"\Z", re.DOTALL),

@@ -11,8 +11,9 @@ vs observed) and every request of the turn (``history_helpers.TurnResult.describ
 
 Scenarios: 1 live follow-ups (a question asked twice), 2 immediate close/restore, 3 idle
 stop/restore, 4 a transient error the CLI retries, 5 Claude's retry -> retire -> native
-restore (plus the control run with retirement disabled), 6 a terminal rejection and a
-context-window refusal followed by follow-ups, 7 a native fork at a historical turn.
+restore (plus the control run with retirement disabled), 6 a terminal rejection followed by
+follow-ups, 7 a native fork at a historical turn. The context-window refusal under each native
+compaction setting is tests/regression/test_compaction.py.
 
 The suite shares one daemon and one loopback fixture per module (``tests/regression/
 conftest.py``); each scenario has its own chat, and every fixture rule matches text unique
@@ -31,10 +32,10 @@ from typing import Any
 import pytest
 
 import runner.turn
-from deploy.loopback import Message, compare_history, context_too_long, cut, default_reply, fail, reject, user_texts
+from deploy.loopback import Message, compare_history, cut, default_reply, fail, reject, user_texts
 from tests.daemon_harness import RunningDaemon
 from tests.regression.conftest import regression_daemon
-from tests.regression.history_helpers import Member, TurnResult, assert_requests, mark_summaries, summary_marker, token
+from tests.regression.history_helpers import Member, TurnResult, token
 
 pytestmark = [pytest.mark.regression, pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 RUNTIMES = ["claude", "codex", "pi", "opencode", "kilo"]
@@ -356,28 +357,8 @@ async def test_claude_retry_defect_control_without_retirement(delayed: str, cont
 #   assistant reply after it (two user messages in a row).
 MERGES_FAILED_PROMPT = {"claude"}
 
-# A context-window refusal (HTTP 400 with the vendor's wording) -> reason context_too_long,
-# then each CLI's own overflow recovery (native behaviour, not the supervisor's):
-# * Claude: reactive compaction inside the refused turn (conversation 400, summary, retried
-#   conversation 400); its history is then [summary + the last surviving prompt block, …].
-# * pi: the same inside the refused turn; its history is then [summary, everything verbatim].
-# * Codex: nothing more in the refused turn; the NEXT turn first compacts (a summary side
-#   request) and sends only the user messages, the summary as a user message, then the
-#   new prompt (assistant replies survive only inside the summary).
-# * OpenCode/Kilo: compaction is off in the driver config: the history stays verbatim.
-REFUSAL_KINDS = {
-    "claude": ({"conversation": 2, "summary": 1}, {"conversation": 1}),
-    "pi": ({"conversation": 2, "summary": 1}, {"conversation": 1}),
-    "codex": ({"conversation": 1}, {"conversation": 1, "summary": 1}),
-    "opencode": ({"conversation": 1}, {"conversation": 1}),
-    "kilo": ({"conversation": 1}, {"conversation": 1}),
-}
-
-
-def _summary_of(t: TurnResult) -> str:
-    summaries = [r.reply_text for r in t.requests if r.kind == "summary"]
-    assert len(summaries) == 1 and summaries[0], t.describe()
-    return summaries[0]
+# A context-window refusal and each CLI's native compaction (CLOUD_AGENT_NATIVE_COMPACTION off / on):
+# tests/regression/test_compaction.py.
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
@@ -385,8 +366,7 @@ async def test_terminal_rejection_then_followup(runtime: str, daemon: RunningDae
     """A terminal API rejection (400) is a settled failure (``failed``, reason
     ``api_error``, locator kept, one request: not retried); the LIVE follow-up carries every
     earlier successful message plus the failed prompt as each CLI keeps it (see
-    MERGES_FAILED_PROMPT). Then a context-window refusal -> ``context_too_long``, and the
-    follow-ups carry exactly what each CLI's overflow recovery leaves (REFUSAL_KINDS)."""
+    MERGES_FAILED_PROMPT), and the history just grows from there."""
     m = Member(daemon, fx, runtime)
     await m.turn("Good start: say hi.", "NEW")
     bad = f"Please fail this one ({token('reject')})."
@@ -399,44 +379,7 @@ async def test_terminal_rejection_then_followup(runtime: str, daemon: RunningDae
     else:
         expected = [*m.history, Message.user(bad), Message.user(follow)]
     await m.turn(follow, "LIVE", expected=expected)
-    before_refusal = list(m.history)
-
-    huge = f"Huge input ({token('huge')})."
-    fx.add_rule(context_too_long(match=f"^{re.escape(huge)}$", regex=True))
-    refusal_kinds, follow_kinds = REFUSAL_KINDS[runtime]
-    refused = await m.failed_turn(huge, "LIVE", "context_too_long", kinds=refusal_kinds,
-                                  statuses=[400] * refusal_kinds["conversation"])
-    follow2 = "After the context refusal: still there?"
-    mark = mark_summaries(runtime)
-    if runtime == "claude":
-        # the retried request after compaction: summary + the last block of the merged
-        # prompt (the follow-up), its reply, the refused prompt
-        s = summary_marker(_summary_of(refused))
-        compacted = [Message.user(s + "\n" + follow), before_refusal[-1]]
-        assert_requests(refused, [*compacted, Message.user(huge)], runtime, which=slice(1, 2), transform=mark)
-        expected = [*compacted, Message.user(huge + "\n" + follow2)]
-        await m.turn(follow2, "LIVE", expected=expected, kinds=follow_kinds, transform=mark)
-    elif runtime == "pi":
-        s = summary_marker(_summary_of(refused))
-        assert_requests(refused, [Message.user(s), *before_refusal, Message.user(huge)], runtime,
-                        which=slice(1, 2), transform=mark)
-        expected = [Message.user(s), *before_refusal, Message.user(huge), Message.user(follow2)]
-        await m.turn(follow2, "LIVE", expected=expected, kinds=follow_kinds, transform=mark)
-    elif runtime == "codex":
-        t = await m.send(follow2)
-        s = summary_marker(_summary_of(t))
-        expected = [Message.user(u) for u in user_texts(before_refusal)] + [
-            Message.user(huge), Message.user(s), Message.user(follow2)]
-        assert (t.receipt["context_status"], t.receipt["outcome"]) == ("LIVE", "succeeded"), t.describe()
-        assert t.kinds() == follow_kinds, t.describe()
-        assert_requests(t, expected, runtime, transform=mark)
-        assert t.receipt["assistant_text"] == default_reply(user_texts(expected))
-        m.history = [*expected, Message.assistant(t.receipt["assistant_text"])]
-    else:
-        expected = [*before_refusal, Message.user(huge), Message.user(follow2)]
-        await m.turn(follow2, "LIVE", expected=expected, kinds=follow_kinds)
-    # from here on the history just grows by each settled turn
-    await m.turn("And one more.", "LIVE", transform=mark)
+    await m.turn("And one more.", "LIVE")
 
 
 # ---------------------------------------------------------------- 7. native fork at a historical turn

@@ -174,6 +174,26 @@ def test_plain_turn_settles_with_assistant_text_only() -> None:
     assert len(h.of("settled")) == 1
 
 
+def test_compaction_of_the_root_session_is_reported_at_settlement() -> None:
+    """Native compaction on: the server's session.compacted for S during the turn makes the
+    settled line say ``compacted`` (a child session's compaction, or none, says nothing)."""
+    h = Harness()
+    uid = h.start()
+    user(h, uid, "u")
+    h.ev("session.compacted", sessionID=CHILD)
+    assistant(h, "msg_a1", uid, completed=True, text="fine")
+    idle(h)
+    assert "compacted" not in h.settled()
+    h2 = Harness()
+    uid = h2.start()
+    user(h2, uid, "u")
+    h2.ev("session.compacted", sessionID=S)
+    assistant(h2, "msg_a1", uid, completed=True, text="after the summary")
+    idle(h2)
+    assert h2.settled() == {"type": "settled", "turn_id": "t1", "ok": True, "reason": "completed", "session_id": S,
+                            "message_id": uid, "text": "after the summary", "compacted": True}
+
+
 def test_late_metadata_is_resolved_and_synthetic_or_removed_parts_are_dropped() -> None:
     h = Harness()
     uid = h.start()

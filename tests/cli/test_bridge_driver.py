@@ -56,6 +56,7 @@ from drivers.models import (
 )
 from images.pins import load_pins
 from tests.support.bridge_replay import BRIDGE_PATH, dump_trace, load_trace, trim
+from tests.support.recording_shape import bridge_kind, compare
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -99,10 +100,34 @@ class Box(DriverBox):
 
     async def shutdown(self) -> None:
         await super().shutdown()
-        if CAPTURE:
-            for i, trace in enumerate(self.traces, 1):
-                if trace.exists():
-                    dump_trace(trim(load_trace(trace)), DATA / f"{self.name}-{i}.jsonl")
+        problems = []
+        for i, trace in enumerate(self.traces, 1):
+            committed = DATA / f"{self.name}-{i}.jsonl"
+            if not trace.exists():
+                continue
+            if CAPTURE:
+                dump_trace(trim(load_trace(trace)), committed)
+            elif committed.exists():
+                # this run against the committed capture: what the bridge printed, in order, and
+                # which SSE event types the server sent (ids, timestamps, delta counts aside)
+                fresh = [bridge_kind(r) for r in trim(load_trace(trace))]
+                recorded = [bridge_kind(r) for r in load_trace(committed)]
+                problems += [f"{committed.name}: {p}" for p in compare(fresh, recorded, unordered=_racing,
+                                                                        ignored=_timing)]
+        assert not problems, "the real CLI no longer produces the committed traces (re-record with " \
+                             "BRIDGE_CAPTURE=1 once understood):\n" + "\n".join(problems)
+
+
+def _racing(kind: str) -> bool:
+    """Lines whose order against the turn's own is a race of one run: SSE events (and the REST
+    calls they trigger) and the bridge's autonomous replies/status."""
+    return not kind.startswith("out ") or kind in ("out status", "out permission", "out question", "out network")
+
+
+def _timing(kind: str) -> bool:
+    """What only a run's timing decides: heartbeats, Kilo's transient synthetic part, whether a
+    retry/offline status was seen before an abort."""
+    return kind in ("sse server.heartbeat", "sse message.part.removed", "out status")
 
 
 @pytest.fixture(scope="module")

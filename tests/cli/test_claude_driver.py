@@ -23,9 +23,11 @@ from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 
 from deploy.loopback import LoopbackFixture, Message, default_reply, fail, reject, shell_call, stall, tool_call
 from deploy.loopback.behaviour import TERMINAL_MESSAGE
+from drivers.base import parse_json_line
 from drivers.claude import ClaudeDriver, ClaudeSession, ClaudeSettings
 from drivers.claude.wire import sanitize_project_dir
 from drivers.models import (
+    DriverOptions,
     FailureReason,
     HandshakeFailed,
     HandshakeReason,
@@ -39,6 +41,8 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
+from drivers.transport import Transport, TransportWrapper
+from tests.support.recording_shape import claude_kind, compare, stream_kinds
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -48,6 +52,7 @@ VERSION = "2.1.220"
 DATA = Path(__file__).resolve().parents[1] / "data" / "claude"
 SETTINGS = ClaudeSettings(max_retries=2, handshake_timeout_s=60.0, interrupt_grace_s=5.0)
 AGENT_INPUT = {"description": "child task", "prompt": "CHILD do the work", "subagent_type": "general-purpose"}
+OTHER = "99999999-aaaa-4bbb-8ccc-dddddddddddd"  # a session id no CLI here ever minted
 
 
 # ---------------------------------------------------------------- harness
@@ -358,15 +363,40 @@ async def test_tool_events(box: Box) -> None:
     assert finished and finished[0].call_id == started[0].call_id and "marker-42" in (finished[0].output or "")
 
 
+class ChildIdRewriter(TransportWrapper):
+    """On the real stream, gives every child-agent event (``parent_tool_use_id`` set) another
+    session id. 2.1.220's child events carry the root's id, so without this a driver that took
+    the session id from child events would pass unnoticed."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        self.rewritten: list[str] = []  # the types of the child events given OTHER's id
+
+    async def receive(self) -> bytes | None:
+        line = await self.inner.receive()
+        obj = parse_json_line(line) if line is not None else None
+        if obj is not None and obj.get("parent_tool_use_id") is not None and "session_id" in obj:
+            self.rewritten.append(str(obj.get("type")))
+            return json.dumps({**obj, "session_id": OTHER}).encode()
+        return line
+
+
 async def test_child_agent_runs_in_the_foreground_and_cannot_touch_the_locator(box: Box) -> None:
     box.fx.add_rules(tool_call("Agent", AGENT_INPUT, match="delegate", then_reply="parent done"),
                      shell_call("echo from-child", match="CHILD", kinds=["subagent"], then_reply="child done", times=1))
-    s = await new_session(box)
+    paths = box.member("m")
+    launch = box.driver.plan(paths, box.gateway, None)
+    rewriter = ChildIdRewriter(await box.launch(launch.spec, paths))
+    s = box.driver.session(rewriter, launch)
+    await s.handshake()
     events: list[Any] = []
     r = ok(await s.run_turn("delegate this", emit=events.append, timeout_s=90))
-    assert r.assistant_text == "parent done" and r.observed_locator == s.expected
+    # child events reported another session; only root events may set the locator (SPEC 4.4)
+    assert "assistant" in rewriter.rewritten and "user" in rewriter.rewritten, rewriter.rewritten
+    assert r.assistant_text == "parent done" and r.observed_locator == s.expected == s.locator
     tracker = s.last_tracker
-    assert tracker is not None and tracker.started_tasks and tracker.started_tasks == tracker.finished_tasks
+    assert tracker is not None and tracker.mismatch_id is None and tracker.first_root_id == s.expected.id
+    assert tracker.started_tasks and tracker.started_tasks == tracker.finished_tasks
     assert tracker.early_idles == 0  # foreground subagents: idle only after everything
     assert [e.tool for e in events if isinstance(e, ToolStarted)] == ["Agent"]
     assert any(getattr(e, "name", "") == "subagent.tool_started" for e in events)
@@ -476,6 +506,24 @@ def _write(name: str, log: list[tuple[str, bytes]], expected: Locator | None, no
     (CAPTURE_DIR / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
 
+# Telemetry-like lines whose position races the turn's own lines: they only have to occur.
+def _unordered(kind: str) -> bool:
+    return kind.startswith(("recv system/status", "recv rate_limit_event", "recv system/hook"))
+
+
+def _shape_problems(names: list[str]) -> list[str]:
+    """A fresh capture against the committed recording of each scenario (ids, timestamps and the
+    number of text deltas aside: tests/support/recording_shape.py)."""
+    if CAPTURE:
+        return []
+    problems = []
+    for name in names:
+        fresh = stream_kinds(CAPTURE_DIR / f"{name}.jsonl", claude_kind)
+        committed = stream_kinds(DATA / f"{name}.jsonl", claude_kind)
+        problems += [f"{name}: {p}" for p in compare(fresh, committed, unordered=_unordered)]
+    return problems
+
+
 async def test_capture_streams(box: Box) -> None:
     box.fx.add_rules(
         fail(529, match="flaky", times=1),
@@ -499,7 +547,12 @@ async def test_capture_streams(box: Box) -> None:
     ]
     for name, messages, note in scenarios:
         log: list[tuple[str, bytes]] = []
-        s = await box.start(box.member(name), log=log)
+        # the recorded reactive compaction is what the replay tests read: this scenario runs with
+        # native compaction on (the default, off, refuses without a summary request)
+        driver = ClaudeDriver(SETTINGS, options=DriverOptions(native_compaction=True)) if name == "context_400" \
+            else box.driver
+        s = await box.start(box.member(name), log=log,
+                            launch=driver.plan(box.member(name), box.gateway, None))
         await s.handshake()
         for text in messages:
             assert isinstance(await s.run_turn(text, timeout_s=90), Settlement)
@@ -564,3 +617,8 @@ async def test_capture_streams(box: Box) -> None:
             entry["attachment"] = {"type": entry.get("attachment", {}).get("type"), "trimmed": True}
         entries.append(json.dumps(entry, ensure_ascii=False))
     (CAPTURE_DIR / "transcript.jsonl").write_text("\n".join(entries) + "\n")
+    recorded = [name for name, _, _ in scenarios] + ["interrupt", "restored", "resume_unknown", "background_origin"]
+    assert sorted(recorded) == sorted(p.stem for p in DATA.glob("*.jsonl") if p.stem != "transcript")
+    problems = _shape_problems(recorded)
+    assert not problems, "the real CLI no longer produces the committed streams (re-record with " \
+                         "CLAUDE_CAPTURE=1 once understood):\n" + "\n".join(problems)

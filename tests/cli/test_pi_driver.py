@@ -19,7 +19,9 @@ from tests.cli.driver_harness import DriverBox, box_fixtures, ok
 
 from deploy.loopback import LoopbackFixture, Message, default_reply, fail, reject, shell_call, stall
 from deploy.loopback.behaviour import TERMINAL_MESSAGE
+from drivers.base import parse_json_line
 from drivers.models import (
+    DriverOptions,
     FailureReason,
     HandshakeFailed,
     HandshakeReason,
@@ -34,12 +36,31 @@ from drivers.models import (
     ToolStarted,
 )
 from drivers.pi import PiDriver, PiSession, PiSettings
+from drivers.transport import Transport, TransportWrapper, unwrap
+from tests.support.local_process import LocalProcessTransport
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
 KEY = "sk-pi-fixture-canary-31c9e4"
 MODEL = "fixture-model"
 SETTINGS = PiSettings(retry_max=2, retry_base_delay_ms=200, handshake_timeout_s=60, abort_grace_s=5)
+
+
+class StreamWatch(TransportWrapper):
+    """Sets ``streaming`` once pi prints the assistant's ``message_start``: pi has read the first
+    event of the model's stream (what a test must wait for before interrupting a stalled one)."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        self.streaming = anyio.Event()
+
+    async def receive(self) -> bytes | None:
+        line = await self.inner.receive()
+        obj = parse_json_line(line) if line is not None else None
+        if obj is not None and obj.get("type") == "message_start" and \
+                (obj.get("message") or {}).get("role") == "assistant":
+            self.streaming.set()
+        return line
 
 
 class Box(DriverBox):
@@ -54,7 +75,7 @@ class Box(DriverBox):
 
     async def start(self, paths: MemberPaths, resume: Locator | None = None, *, launch: Any = None) -> PiSession:
         launch = launch or self.driver.plan(paths, self.gateway, resume)
-        return self.driver.session(await self.launch(launch.spec, paths), launch)
+        return self.driver.session(StreamWatch(await self.launch(launch.spec, paths)), launch)
 
     async def handshake(self, s: PiSession) -> None:
         t0 = time.monotonic()
@@ -200,22 +221,33 @@ async def test_terminal_400_is_a_settled_failure_and_history_survives(box: Box) 
     assert box.dialogue() == [*expected, Message.assistant(r3.assistant_text), Message.user(u4)]
 
 
-async def test_context_window_refusal_is_context_too_long(box: Box) -> None:
+@pytest.mark.parametrize("compaction", [False, True])
+async def test_context_window_refusal_is_context_too_long(box: Box, compaction: bool) -> None:
     box.fx.add_rules(reject(match="HUGE", context_window=True))
+    box.driver = PiDriver(SETTINGS, options=DriverOptions(native_compaction=compaction))
     s = await box.new()
     r = await s.run_turn("HUGE input", timeout_s=60)
     assert isinstance(r, Settlement) and r.is_error and r.reason is FailureReason.CONTEXT_TOO_LONG, r
-    # pi's own overflow recovery: a summary side request, then one re-run that fails again
-    assert [q.kind for q in box.fx.requests()] == ["conversation", "summary", "conversation"]
-    ok(await s.run_turn("smaller now", timeout_s=60))  # the stale compaction_end is ignored
+    assert r.compacted is compaction
+    if compaction:
+        # pi's own overflow recovery: a summary side request, then one re-run that fails again
+        assert [q.kind for q in box.fx.requests()] == ["conversation", "summary", "conversation"]
+    else:
+        assert [q.kind for q in box.fx.requests()] == ["conversation"]  # no summary, no retry
+    ok(await s.run_turn("smaller now", timeout_s=60))  # a stale compaction_end is ignored
+    if not compaction:
+        assert box.dialogue() == [Message.user("HUGE input"), Message.user("smaller now")]
 
 
 # ---------------------------------------------------------------- interrupt / timeout / cancel / death
 
 
-async def _until_stalled(box: Box) -> None:
+async def _until_stalled(box: Box, s: PiSession) -> None:
+    """The fixture has begun the stalled answer and pi has read its first event."""
     await box.until_stalled()
-    await anyio.sleep(0.2)  # pi has read the first event of the stalled stream
+    assert isinstance(s.transport, StreamWatch)
+    with anyio.fail_after(30):
+        await s.transport.streaming.wait()
 
 
 async def test_interrupt_settles_as_aborted(box: Box) -> None:
@@ -226,7 +258,7 @@ async def test_interrupt_settles_as_aborted(box: Box) -> None:
         async def turn() -> None:
             result.append(await s.run_turn("STALL please", timeout_s=60))
         tg.start_soon(turn)
-        await _until_stalled(box)
+        await _until_stalled(box, s)
         assert await s.interrupt()
     r = result[0]
     assert isinstance(r, Settlement) and r.is_error and r.reason is FailureReason.ABORTED, r
@@ -274,7 +306,7 @@ async def test_cancellation_aborts_and_reraises(box: Box) -> None:
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
             async def cancel_soon() -> None:
-                await _until_stalled(box)
+                await _until_stalled(box, s)
                 scope.cancel()
             tg.start_soon(cancel_soon)
             await s.run_turn("STALL then cancel", timeout_s=60)
@@ -291,7 +323,7 @@ async def test_process_death_mid_turn_is_transport_closed(box: Box) -> None:
         async def turn() -> None:
             result.append(await s.run_turn("STALL then die", timeout_s=60))
         tg.start_soon(turn)
-        await _until_stalled(box)
+        await _until_stalled(box, s)
         await box.kill(s)
     assert isinstance(result[0], NotSettled) and result[0].reason is NotSettledReason.TRANSPORT_CLOSED
 
@@ -355,7 +387,9 @@ async def test_fork_at_a_historical_turn_carries_exactly_the_prefix(box: Box) ->
     src_lines = Path(source.path).read_text()
     await s.close()  # never two pi processes on one session file
     with anyio.move_on_after(10):
-        await s.transport.wait()  # type: ignore[attr-defined]
+        inner = unwrap(s.transport)
+        assert isinstance(inner, LocalProcessTransport)
+        await inner.wait()
     fork_paths = box.member("fork")
     f = await box.start(fork_paths, launch=box.driver.plan_fork(fork_paths, box.gateway, source))
     await box.handshake(f)

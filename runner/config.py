@@ -33,10 +33,19 @@ class Settings(BaseModel):
 
     home: Path = Field(default=Path("/var/lib/cloud-agent"), description="CLOUD_AGENT_HOME: store, logs, host id")
     gateway_url: str | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_URL; None = embedded loopback fixture")
-    gateway_key_file: Path | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_KEY_FILE")
+    gateway_key_file: Path | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_KEY_FILE: the host's key, "
+                                         "read by the model proxy only")
+    gateway_key_dir: Path | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_KEY_DIR: one key file per "
+                                        "user_id (wins over the host key file)")
+    socket_dir: Path | None = Field(default=None, description="CLOUD_AGENT_SOCKET_DIR: where the model proxy makes "
+                                    "each sandbox's socket directory; default HOME/sockets (at most 68 characters: "
+                                    "a unix socket path has 107)")
+    wire_capture: bool = Field(default=False, description="CLOUD_AGENT_WIRE_CAPTURE=1: keep message texts of the wire "
+                               "audit (default: digests only)")
+    wire_capture_days: float = Field(default=7.0, gt=0, description="CLOUD_AGENT_WIRE_CAPTURE_DAYS: captured texts "
+                                     "are deleted after this many days")
     service_token_file: Path | None = Field(default=None, description="CLOUD_AGENT_SERVICE_TOKEN_FILE")
     dev_mode: bool = Field(default=False, description="CLOUD_AGENT_DEV_MODE: loopback-only, no service token")
-    sandbox_network: str | None = Field(default=None, description="CLOUD_AGENT_SANDBOX_NETWORK: none | host | a name")
     image: str | None = Field(default=None, description="CLOUD_AGENT_IMAGE; None = the tag of the pinned build")
     docker_url: str = Field(default="unix:///var/run/docker.sock", description="CLOUD_AGENT_DOCKER_URL")
     listen_host: str = Field(default="127.0.0.1", description="CLOUD_AGENT_LISTEN_HOST")
@@ -121,18 +130,28 @@ class Settings(BaseModel):
             path.write_text(ident + "\n")
             return ident
 
-    def network_for(self, gateway_url: str) -> str:
-        if self.sandbox_network:
-            return self.sandbox_network
-        # The loopback fixture on 127.0.0.1 is only reachable with host networking.
-        host = gateway_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
-        return "host" if host in ("127.0.0.1", "localhost", "[::1]") else "none"
+    @property
+    def socket_root(self) -> Path:
+        """Where the model proxy makes each sandbox's socket directory (SPEC 7)."""
+        return self.socket_dir or self.home / "sockets"
+
+    def check_socket_root(self) -> Path:
+        """The socket root, if ``<root>/ca-<24 hex>/model.sock`` fits a unix socket address
+        (107 bytes); checked when the daemon is built, with the setting to change named."""
+        longest = len(str(self.socket_root).encode()) + len("/ca-" + "0" * 24 + "/model.sock")
+        if longest > 107:
+            field = "socket_dir (CLOUD_AGENT_SOCKET_DIR)" if self.socket_dir else "home (CLOUD_AGENT_HOME)"
+            raise ValueError(f"{field}: the model socket path would be {longest} bytes, over the 107 of a unix "
+                             "socket; set CLOUD_AGENT_SOCKET_DIR to a shorter directory")
+        return self.socket_root
 
 
 _ENV = {
     "CLOUD_AGENT_HOME": "home", "CLOUD_AGENT_GATEWAY_URL": "gateway_url",
     "CLOUD_AGENT_GATEWAY_KEY_FILE": "gateway_key_file", "CLOUD_AGENT_SERVICE_TOKEN_FILE": "service_token_file",
-    "CLOUD_AGENT_DEV_MODE": "dev_mode", "CLOUD_AGENT_SANDBOX_NETWORK": "sandbox_network",
+    "CLOUD_AGENT_DEV_MODE": "dev_mode", "CLOUD_AGENT_GATEWAY_KEY_DIR": "gateway_key_dir",
+    "CLOUD_AGENT_SOCKET_DIR": "socket_dir",
+    "CLOUD_AGENT_WIRE_CAPTURE": "wire_capture", "CLOUD_AGENT_WIRE_CAPTURE_DAYS": "wire_capture_days",
     "CLOUD_AGENT_IMAGE": "image", "CLOUD_AGENT_DOCKER_URL": "docker_url",
     "CLOUD_AGENT_LISTEN_HOST": "listen_host", "CLOUD_AGENT_LISTEN_PORT": "listen_port",
     "CLOUD_AGENT_TURN_TIMEOUT_S": "turn_timeout_s", "CLOUD_AGENT_HANDSHAKE_TIMEOUT_S": "handshake_timeout_s",
@@ -151,6 +170,9 @@ _ENV = {
 
 def load_settings(env: dict[str, str] | None = None, **overrides: Any) -> Settings:
     env = dict(os.environ if env is None else env)
+    if env.get("CLOUD_AGENT_SANDBOX_NETWORK"):
+        raise ValueError("CLOUD_AGENT_SANDBOX_NETWORK: removed; every sandbox is sealed (network none) and reaches "
+                         "the model only through its model socket (unset it)")
     data: dict[str, Any] = {}
     cfg_file = env.get("CLOUD_AGENT_CONFIG")
     if cfg_file:

@@ -74,7 +74,7 @@ async def run_demo(runtimes: list[str], *, json_output: bool = False) -> int:
         port = free_port()
         settings = load_settings({
             "CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_GATEWAY_URL": fx.base_url, "CLOUD_AGENT_IMAGE": image,
-            "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(home / "token"), "CLOUD_AGENT_SANDBOX_NETWORK": "host",
+            "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(home / "token"),
             "CLOUD_AGENT_LISTEN_PORT": str(port),
         })
         daemon = build_daemon(settings, fixture=fx)

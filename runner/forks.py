@@ -70,7 +70,7 @@ class Forker:
     async def fork(self, source: MemberRecord, req: ForkRequest) -> dict[str, Any]:
         key = (source.user_id, source.chat_id, source.member_id)
         try:
-            sandbox = await self.manager.resolve(source.user_id, source.chat_id)
+            sandbox = await self.runner.resolve_sandbox(source.user_id, source.chat_id)
         except SandboxLost as lost:
             raise ForkError(409, "sandbox_lost", lost.reason.value) from None
         runtime = source.runtime
@@ -103,7 +103,8 @@ class Forker:
 
     async def _eager(self, driver: Driver, sandbox: Sandbox, home: str, parent: Locator, req: ForkRequest) -> Locator:
         dirs = self.manager.member_dirs(home)
-        launch = driver.plan_fork(member_paths(dirs), self.runner.gateway(driver.runtime), parent, req.at_turn)
+        launch = driver.plan_fork(member_paths(dirs), self.runner.gateway(
+            driver.runtime, sandbox.record.user_id, sandbox.record.chat_id, req.new_member_id), parent, req.at_turn)
         proc = await start_in_sandbox(self.manager, sandbox, dirs, launch, name="fork")
         session = driver.session(exec_transport(proc.stream), launch)
         try:

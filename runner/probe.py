@@ -138,7 +138,7 @@ class ReverseProbe:
                 image = await timed("image_inspect", self.manager.checked_image(cfg.image))
                 result.image_id = image.id
                 spec = ContainerSpec(image=image.id, name=name, labels={PROBE_LABEL: cfg.host_id},
-                                     network=cfg.network, memory_bytes=min(cfg.memory_bytes, PROBE_MEMORY_BYTES),
+                                     memory_bytes=min(cfg.memory_bytes, PROBE_MEMORY_BYTES),
                                      pids_limit=PROBE_PIDS, nano_cpus=cfg.nano_cpus)
                 created = True  # from here on a container may exist, even if create raises
                 info = await timed("create", self.engine.create(spec))

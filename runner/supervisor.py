@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import anyio
 import structlog
+from prometheus_client import generate_latest
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -28,6 +29,7 @@ from images.pins import load_pins
 from runner.config import Settings
 from runner.forks import Forker
 from runner.metrics import Metrics
+from runner.model_path import ModelPath
 from runner.residents import ResidentPool
 from runner.turn import TestHooks, TurnRunner
 from sandbox_manager.engine import DockerEngine, Engine
@@ -80,8 +82,9 @@ class Supervisor:
         self.owner = uuid.uuid4().hex
         self.pool = ResidentPool()
         self.hooks = hooks or TestHooks()
-        self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, gateway_url=gateway_url,
-                                 gateway_key=settings.gateway_key(), models=settings.models,
+        self.model_path = ModelPath(settings, gateway_url, store, manager)
+        self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, model_path=self.model_path,
+                                 models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks,
                                  driver_options=driver_options(settings))
@@ -140,6 +143,7 @@ class Supervisor:
                 if idle > self.settings.idle_stop_s and not any(self._busy(k) for k in self._locks if k[:2] == chat):
                     await self.pool.retire_where(lambda r, c=chat: r.key[:2] == c, "sandbox idle stop")
                     await self.manager.stop(*chat)
+                    await self.model_path.close(*chat)
 
     def _busy(self, key: tuple[str, str, str]) -> bool:
         lock = self._locks.get(key)
@@ -153,10 +157,11 @@ class Supervisor:
     async def running(self) -> AsyncIterator["Supervisor"]:
         await self.store.open()  # PostgreSQL: connect and migrate (SQLite: already open)
         await self.recover()
-        async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg, self.model_path.running():
             self._tg = tg
             tg.start_soon(self._beat_loop)
             tg.start_soon(self._idle_loop)
+            tg.start_soon(self.model_path.purge_loop)
             try:
                 yield self
             finally:
@@ -300,8 +305,9 @@ class Supervisor:
         for rec in await self.store.list_sandboxes():
             if rec.host_id == self.manager.config.host_id:
                 states[rec.state.value] += 1
-        return self.metrics.render(residents=sum(1 for k in self.pool.keys() if self.pool.is_resident(k)),
+        text = self.metrics.render(residents=sum(1 for k in self.pool.keys() if self.pool.is_resident(k)),
                                    sandboxes=states)
+        return text + generate_latest(self.model_path.proxy_metrics.registry).decode()
 
     async def stop_chat(self, user_id: str, chat_id: str) -> bool:
         chat_keys = [k for k in self._locks if k[:2] == (user_id, chat_id)]
@@ -310,7 +316,9 @@ class Supervisor:
             return False
         async with _all_locks([self._lock(k) for k in chat_keys]):
             await self.pool.retire_where(lambda r: r.key[:2] == (user_id, chat_id), "chat stop")
-            return await self.manager.stop(user_id, chat_id)
+            stopped = await self.manager.stop(user_id, chat_id)
+            await self.model_path.close(user_id, chat_id)
+            return stopped
 
     async def fork(self, user_id: str, chat_id: str, member_id: str, req: ForkRequest) -> dict[str, Any]:
         """A new member whose native session is a fork (raises ForkError with a status)."""
@@ -341,7 +349,7 @@ def build_supervisor(settings: Settings, gateway_url: str, *, hooks: TestHooks |
     engine = engine or DockerEngine(settings.docker_url)
     store = open_store(settings.store_url.get_secret_value() if settings.store_url else None, settings.store_path)
     image = settings.image or image_tag()
-    cfg = SandboxConfig(image=image, network=settings.network_for(gateway_url),
+    cfg = SandboxConfig(image=image, socket_root=str(settings.check_socket_root()),
                         host_id=settings.resolved_host_id(), memory_bytes=settings.memory_bytes,
                         pids_limit=settings.pids_limit, nano_cpus=settings.nano_cpus,
                         require_helper=carries_bridge(load_pins()))

@@ -34,8 +34,9 @@ from drivers.transport import Transport
 from images.pins import load_pins
 from runner.processes import member_paths, start_in_sandbox
 from runner.residents import Resident, ResidentPool
+from runner.model_path import ModelPath
 from runner.transport import exec_transport
-from sandbox_manager.sandboxes import ImageRefused, Sandbox, SandboxLost, SandboxManager
+from sandbox_manager.sandboxes import ImageRefused, ModelGateNotReady, Sandbox, SandboxLost, SandboxManager
 from state.jobs import Job
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
 from state.records import MemberRecord, SavedLocator
@@ -88,20 +89,20 @@ class TurnContext:
     sandbox: Sandbox | None = None
     member: MemberRecord | None = None
     cli_version: str | None = None
+    compacted: bool = False  # the driver saw the CLI's own compaction in this turn
 
     def ms_since(self, t: float) -> int:
         return int((time.monotonic() - t) * 1000)
 
 
 class TurnRunner:
-    def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, gateway_url: str,
-                 gateway_key: Any, models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
+    def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, model_path: ModelPath,
+                 models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
                  hooks: TestHooks | None = None, driver_options: DriverOptions | None = None) -> None:
         self.store = store
         self.manager = manager
         self.pool = pool
-        self.gateway_url = gateway_url
-        self.gateway_key = gateway_key
+        self.model_path = model_path
         self.models = models
         self.turn_timeout_s = turn_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -112,8 +113,19 @@ class TurnRunner:
         """The runtime's driver with this host's launch inputs (pins, compaction policy)."""
         return get_driver(runtime, self.driver_options)
 
-    def gateway(self, runtime: str) -> GatewayConfig:
-        return GatewayConfig(base_url=self.gateway_url, key=self.gateway_key, model=self.models[runtime])
+    def gateway(self, runtime: str, user_id: str, chat_id: str, member_id: str) -> GatewayConfig:
+        """The member's own base URL through its sandbox's model socket, and a placeholder key."""
+        return self.model_path.gateway(user_id, chat_id, member_id, self.models[runtime])
+
+    async def resolve_sandbox(self, user_id: str, chat_id: str) -> Sandbox:
+        """The chat's sandbox with its model socket listening (opened first: the container's
+        command connects to it as it starts). A lost sandbox's socket is closed again."""
+        await self.model_path.open(user_id, chat_id)
+        try:
+            return await self.manager.resolve(user_id, chat_id)
+        except (SandboxLost, ImageRefused):
+            await self.model_path.close(user_id, chat_id)
+            raise
 
     # -- receipts ---------------------------------------------------------------------------------
 
@@ -142,17 +154,23 @@ class TurnRunner:
             timings_ms=ctx.timings, started_at=ctx.started_at, finished_at=datetime.now(UTC),
         )
 
-    async def _commit(self, receipt: Receipt, verified: Locator | None) -> Receipt:
+    async def _commit(self, ctx: TurnContext, receipt: Receipt, verified: Locator | None) -> Receipt:
+        with anyio.CancelScope(shield=True):
+            settled = (ctx.member.settled_turns if ctx.member else 0) + (1 if verified is not None else 0)
+            wire, row = await self.model_path.settle(receipt, ctx.member, message=ctx.job.message,
+                                                     compaction=ctx.compacted, settled_index=settled)
+        receipt = receipt.model_copy(update={"wire": wire})
         member = MemberOutcome(
             last_status=receipt.context_status.value if receipt.context_status else "-",
             last_outcome=receipt.outcome.value,
             verified=VerifiedTurn(to_saved(verified)) if verified is not None else None,
+            wire=row,
         )
         with anyio.CancelScope(shield=True):
             await self.store.finish_job(receipt.user_id, receipt.job_id, receipt.model_dump_json(), member)
         log.info("turn.committed", job_id=receipt.job_id, runtime=receipt.runtime,
                  status=receipt.context_status, outcome=receipt.outcome, reason=receipt.reason,
-                 total_ms=receipt.timings_ms.total)
+                 total_ms=receipt.timings_ms.total, wire=wire.history)
         return receipt
 
     # -- the state machine ---------------------------------------------------------------------------
@@ -160,6 +178,14 @@ class TurnRunner:
     async def execute(self, job: Job, emit: Emit) -> Receipt:
         ctx = TurnContext(job=job, emit=emit)
         key = (job.user_id, job.chat_id, job.member_id)
+        self.model_path.begin(job)
+        try:
+            return await self._execute(ctx, key)
+        finally:
+            self.model_path.end(job)
+
+    async def _execute(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
+        job, emit = ctx.job, ctx.emit
         try:
             session = await self._prepare(ctx, key)
         except Refusal as r:
@@ -167,10 +193,10 @@ class TurnRunner:
             receipt = self._receipt(ctx, Outcome.REFUSED, reason=r.reason)
             if r.sticky and ctx.member is not None:
                 await self.store.mark_member_lost(*key, r.reason)
-            return await self._commit(receipt, None)
+            return await self._commit(ctx, receipt, None)
         except _NotStarted as ns:
-            return await self._commit(self._receipt(ctx, Outcome.NOT_SETTLED, reason=ns.reason, detail=ns.detail),
-                                      None)
+            return await self._commit(ctx, self._receipt(ctx, Outcome.NOT_SETTLED, reason=ns.reason,
+                                                         detail=ns.detail), None)
         emit({"type": "status", "context_status": ctx.status.value if ctx.status else None})
         return await self._run(ctx, key, session)
 
@@ -191,7 +217,10 @@ class TurnRunner:
             raise Refusal("member_locator_missing")
         t = time.monotonic()
         try:
-            ctx.sandbox = await self.manager.resolve(job.user_id, job.chat_id)
+            ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id)
+        except ModelGateNotReady as exc:
+            ctx.timings.sandbox = ctx.ms_since(t)
+            raise _NotStarted("model_gate_not_ready", str(exc)) from None
         except SandboxLost as lost:
             await self.pool.retire_where(lambda r: r.key[:2] == key[:2], "sandbox lost")
             ctx.timings.sandbox = ctx.ms_since(t)
@@ -230,7 +259,7 @@ class TurnRunner:
         driver = self.driver(job.runtime)
         assert ctx.member is not None
         dirs = self.manager.member_dirs(ctx.member.home_member_id)
-        gateway = self.gateway(job.runtime)
+        gateway = self.gateway(job.runtime, job.user_id, job.chat_id, job.member_id)
         pending = ctx.member.pending_fork
         if resume is None and pending is not None:
             # A fork the CLI makes itself as this first turn starts (Claude --fork-session).
@@ -291,16 +320,17 @@ class TurnRunner:
             with anyio.CancelScope(shield=True):
                 await self.pool.retire(key, "turn cancelled")
                 receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason="cancelled")
-                await self._commit(receipt, None)
+                await self._commit(ctx, receipt, None)
             raise
         ctx.timings.turn = ctx.ms_since(t)
         if self.pool.get(key) is not None:
             self.pool.get(key).last_used = time.monotonic()
+        ctx.compacted = bool(getattr(outcome, "compacted", False))
         if isinstance(outcome, NotSettled):
             await self.pool.retire(key, f"not settled: {outcome.reason.value}")
             receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason=outcome.reason.value, text=outcome.assistant_text,
                                     detail=outcome.detail)
-            return await self._commit(receipt, None)
+            return await self._commit(ctx, receipt, None)
         observed = outcome.observed_locator
         if expected is None and ctx.status == ContextStatus.NEW:
             expected = observed  # the CLI minted it; nothing earlier to compare against
@@ -311,13 +341,13 @@ class TurnRunner:
             receipt = self._receipt(ctx, Outcome.FAILED, reason=FailureReason.IDENTITY_MISMATCH.value,
                                     settlement=outcome.model_copy(update={"detail": detail}),
                                     text=outcome.assistant_text)
-            return await self._commit(receipt, None)
+            return await self._commit(ctx, receipt, None)
         session.locator = observed
         result = Outcome.FAILED if outcome.is_error else Outcome.SUCCEEDED
         reason = (outcome.reason.value if outcome.reason else "api_error") if outcome.is_error else None
         receipt = self._receipt(ctx, result, reason=reason, settlement=outcome, text=outcome.assistant_text,
                                 locator_after=observed.id)
-        receipt = await self._commit(receipt, observed)
+        receipt = await self._commit(ctx, receipt, observed)
         if outcome.retire_after and not self.hooks.disable_retire_after:
             # SPEC section 6: after a Claude api_retry, save the verified locator, then retire.
             await self.pool.retire(key, "retire_after (api_retry seen)")

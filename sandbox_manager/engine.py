@@ -12,6 +12,7 @@ import io
 import tarfile
 import time
 import uuid
+from datetime import datetime
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,11 +39,20 @@ class NotFound(EngineError):
 
 
 @dataclass(frozen=True)
+class Mount:
+    """A host directory bind-mounted into the container."""
+
+    source: str
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
 class ContainerSpec:
     image: str
     name: str
     labels: dict[str, str]
-    network: str
+    mounts: tuple[Mount, ...] = ()
     user: str = "agent"
     workdir: str = "/home/agent/workspace"
     memory_bytes: int = 4 * 1024**3
@@ -95,6 +105,7 @@ class Engine(Protocol):
     async def exec_attached(self, container_id: str, argv: list[str], *, user: str = "agent",
                             env: dict[str, str] | None = None, workdir: str | None = None) -> ExecStream: ...
     async def exec_exit_code(self, exec_id: str) -> int | None: ...
+    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool: ...
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None: ...
 
 
@@ -103,6 +114,17 @@ def _to_info(c: Any) -> ContainerInfo:
     return ContainerInfo(id=c.id, name=c.name, status=attrs.get("State", {}).get("Status", c.status),
                          image_id=attrs.get("Image", ""), labels=dict(attrs.get("Config", {}).get("Labels") or {}),
                          attrs=attrs)
+
+
+def _logged_after(line: bytes, since: float) -> bool:
+    """A ``timestamps=True`` log line (RFC 3339, nanoseconds) written at or after ``since``."""
+    stamp = line.split(b" ", 1)[0].decode(errors="replace")
+    try:
+        day, _, frac = stamp.rstrip("Z").partition(".")
+        t = datetime.fromisoformat(day + "+00:00").timestamp() + (float("0." + frac) if frac else 0.0)
+    except ValueError:
+        return False
+    return t >= since
 
 
 def _tar(files: list[FileEntry], dirs: list[str]) -> bytes:
@@ -187,10 +209,11 @@ class DockerEngine:
             self.client.containers.create,
             image=spec.image, name=spec.name, command=list(spec.command), labels=spec.labels,
             init=True,  # PID 1 reaps: killed CLIs must not pile up as zombies
-            user=spec.user, working_dir=spec.workdir, network_mode=spec.network,
+            user=spec.user, working_dir=spec.workdir, network_mode="none",  # sealed (SPEC 7): there is no other setting
             cap_drop=["ALL"], security_opt=["no-new-privileges"], privileged=False,
             mem_limit=spec.memory_bytes, pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
             detach=True, tty=False, stdin_open=False,
+            volumes={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
         )
         c.reload()
         return _to_info(c)
@@ -245,6 +268,21 @@ class DockerEngine:
     async def exec_exit_code(self, exec_id: str) -> int | None:
         info = await self._call(self.api.exec_inspect, exec_id)
         return None if info.get("Running") else info.get("ExitCode")
+
+    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool:
+        """Poll the container's own output (its command's, since ``since``, a Unix time) until a
+        line holds ``needle``; False after ``timeout_s``. A cancel scope bounds the wait; each
+        poll is one short engine call in a worker thread."""
+        with anyio.move_on_after(timeout_s):
+            delay = 0.01
+            while True:
+                out = await self._call(self.api.logs, container_id, stdout=True, stderr=True,
+                                       since=int(since), timestamps=True, stream=False)
+                if any(_logged_after(line, since) for line in out.splitlines() if needle.encode() in line):
+                    return True
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+        return False
 
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None:
         data = _tar(files, dirs)

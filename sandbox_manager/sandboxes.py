@@ -11,13 +11,15 @@ hidden by quietly creating a fresh container.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 import structlog
 
 from images.checks import check_image_labels
-from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, NotFound
+from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, Mount, NotFound
 from sandbox_manager.exec_stream import ExecStream
 from state.records import SandboxRecord, SandboxState
 from state.store import Store, now
@@ -36,6 +38,14 @@ AGENT_HOME = "/home/agent"
 WORKSPACE = f"{AGENT_HOME}/workspace"
 MEMBERS_DIR = f"{AGENT_HOME}/members"
 
+# The model socket (SPEC 7, 12): the host proxy's per-sandbox directory is mounted read-only
+# here, and the container's command forwards 127.0.0.1:MODEL_PORT to the socket inside it.
+MODEL_DIR = "/run/cloud-agent/model"
+MODEL_SOCKET = f"{MODEL_DIR}/model.sock"
+MODEL_PORT = 18080
+MODEL_GATE_READY = "modelgate.listening"
+MODEL_GATE_COMMAND = ("ca-modelgate", "--socket", MODEL_SOCKET, "--listen", f"127.0.0.1:{MODEL_PORT}")
+
 
 class LostReason(StrEnum):
     CONTAINER_MISSING = "container_missing"
@@ -46,6 +56,9 @@ class LostReason(StrEnum):
     SANDBOX_UNRECORDED = "sandbox_unrecorded"
     PREVIOUSLY_LOST = "previously_lost"
     WRONG_HOST = "wrong_host"
+    # Created before sandboxes were sealed (host networking, no model socket): it cannot be
+    # sealed in place, and recreating it would lose its native state (issue 15 recreates).
+    NOT_SEALED = "sandbox_not_sealed"
 
 
 class SandboxLost(Exception):
@@ -53,6 +66,10 @@ class SandboxLost(Exception):
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
         self.reason = reason
         self.detail = detail
+
+
+class ModelGateNotReady(Exception):
+    """The container started but its model gate (ca-modelgate) did not report listening."""
 
 
 class ImageRefused(Exception):
@@ -79,12 +96,13 @@ def member_key(member_id: str) -> str:
 @dataclass(frozen=True)
 class SandboxConfig:
     image: str
-    network: str = "none"
+    socket_root: str | None = None  # host dir of the per-sandbox model socket dirs (HOME/sockets)
     host_id: str = "local"
     memory_bytes: int = 4 * 1024**3
     pids_limit: int = 1024
     nano_cpus: int = 2_000_000_000
     require_helper: bool = True
+    gate_ready_timeout_s: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +166,18 @@ class SandboxManager:
             LABEL_DATA_ROOT: data_root_id,
         }
 
+    def socket_dir(self, user_id: str, chat_id: str) -> Path:
+        """The host directory holding this sandbox's model socket (mounted at MODEL_DIR)."""
+        if self.config.socket_root is None:
+            raise ValueError("socket_root: the sandbox manager has no model socket directory configured")
+        return Path(self.config.socket_root) / container_name(user_id, chat_id)
+
+    async def _gate_ready(self, info: ContainerInfo, since: float) -> None:
+        if not await self.engine.wait_log_line(info.id, MODEL_GATE_READY, since=since,
+                                               timeout_s=self.config.gate_ready_timeout_s):
+            raise ModelGateNotReady(f"{info.name}: ca-modelgate did not report listening within "
+                                    f"{self.config.gate_ready_timeout_s}s")
+
     async def checked_image(self, ref: str) -> ImageInfo:
         img = await self.engine.image(ref)
         problems = check_image_labels(img.labels, require_helper=self.config.require_helper)
@@ -174,10 +204,12 @@ class SandboxManager:
             raise
         started = False
         if not info.running:
+            t = time.time()
             await self.engine.start(info.id)
             info = await self.engine.inspect(info.id)
             started = True
             log.info("sandbox.started", container=rec.container_name)
+            await self._gate_ready(info, t)
         rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
         await self.store.touch_sandbox(user_id, chat_id)
         return Sandbox(record=rec, container=info, image=image, started=started)
@@ -200,6 +232,7 @@ class SandboxManager:
         bad = sorted(k for k, v in want.items() if info.labels.get(k) != v)
         if bad:
             raise SandboxLost(LostReason.LABELS_MISMATCH, "labels differ: " + ", ".join(bad))
+        self._check_sealed(rec, info)
         try:
             image = await self.engine.image(info.image_id)
         except NotFound:
@@ -210,6 +243,17 @@ class SandboxManager:
         if problems:
             raise SandboxLost(LostReason.IMAGE_UNSUPPORTED, "; ".join(problems))
         return info, image
+
+    def _check_sealed(self, rec: SandboxRecord, info: ContainerInfo) -> None:
+        host = info.attrs.get("HostConfig") or {}
+        network = host.get("NetworkMode")
+        if network != "none":
+            raise SandboxLost(LostReason.NOT_SEALED, f"created with network {network!r}; sandboxes are now sealed "
+                              "(network none) and this one cannot be sealed in place")
+        want = str(self.socket_dir(rec.user_id, rec.chat_id))
+        mounts = [m for m in info.attrs.get("Mounts") or [] if m.get("Destination") == MODEL_DIR]
+        if not mounts or mounts[0].get("Source") != want or mounts[0].get("RW", True):
+            raise SandboxLost(LostReason.NOT_SEALED, f"no read-only model socket mount of {want} at {MODEL_DIR}")
 
     async def _create(self, user_id: str, chat_id: str) -> Sandbox:
         image = await self.checked_image(self.config.image)
@@ -222,10 +266,13 @@ class SandboxManager:
         if existing is not None:
             # A container with this identity but no record: the store lost track of it.
             raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record")
+        sockets = self.socket_dir(user_id, chat_id)
         spec = ContainerSpec(image=image.id, name=name, labels=self.identity_labels(user_id, chat_id, root),
-                             network=self.config.network, memory_bytes=self.config.memory_bytes,
+                             mounts=(Mount(str(sockets), MODEL_DIR, read_only=True),), command=MODEL_GATE_COMMAND,
+                             memory_bytes=self.config.memory_bytes,
                              pids_limit=self.config.pids_limit, nano_cpus=self.config.nano_cpus)
         info = await self.engine.create(spec)
+        t = time.time()
         await self.engine.start(info.id)
         info = await self.engine.inspect(info.id)
         ts = now()
@@ -233,7 +280,8 @@ class SandboxManager:
                             image_id=image.id, data_root_id=root, host_id=self.config.host_id,
                             state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
         await self.store.put_sandbox(rec)
-        log.info("sandbox.created", container=name, image=image.id[:19], network=self.config.network)
+        log.info("sandbox.created", container=name, image=image.id[:19], network="none")
+        await self._gate_ready(info, t)
         return Sandbox(record=rec, container=info, image=image, created=True)
 
     # -- lifecycle ------------------------------------------------------------------------------

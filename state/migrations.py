@@ -78,6 +78,23 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN host_id TEXT;
     ALTER TABLE jobs ADD COLUMN host_epoch BIGINT;
     """,
+    # 6: the wire ledger (SPEC 12; state.wire_ledger) — digests per request and per turn;
+    # message texts only with capture on (capture_json), failed queries until the next success
+    """
+    CREATE TABLE wire_records (
+        record_id TEXT PRIMARY KEY, user_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT, job_id TEXT,
+        ordinal TEXT NOT NULL, record_json TEXT NOT NULL, capture_json TEXT, created_at TEXT NOT NULL
+    );
+    CREATE INDEX wire_records_by_job ON wire_records (user_id, chat_id, job_id, ordinal);
+    CREATE INDEX wire_records_by_age ON wire_records (created_at);
+    CREATE TABLE wire_turns (
+        user_id TEXT NOT NULL, chat_id TEXT NOT NULL, member_id TEXT NOT NULL, job_id TEXT NOT NULL,
+        settled_index INTEGER NOT NULL, outcome TEXT NOT NULL, conversational INTEGER NOT NULL,
+        baseline_json TEXT, failed_text TEXT, created_at TEXT NOT NULL,
+        PRIMARY KEY (user_id, job_id)
+    );
+    CREATE INDEX wire_turns_by_member ON wire_turns (user_id, chat_id, member_id, created_at);
+    """,
 ]
 
 

@@ -39,6 +39,7 @@ from state.contract import (
 )
 from state.migrations import MIGRATIONS
 from state.postgres_fleet import NOW_MS, Conn, PostgresFleet
+from state.wire_ledger import PostgresWireLedger, postgres_put_turn
 from state.records import JobRecord, JobState, MemberRecord, PendingFork, SandboxRecord, SandboxState, SavedLocator
 from state.store import Store as _SQLiteRows  # row -> record mapping only
 
@@ -57,7 +58,7 @@ def redact(url: str) -> str:
     return f"postgresql://{info.get('user', '')}@{info.get('host', '')}:{info.get('port', '')}/{info.get('dbname', '')}"
 
 
-class PostgresStore(PostgresFleet):
+class PostgresStore(PostgresFleet, PostgresWireLedger):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout_s: float = 10.0,
                  commit_retry_s: float = 20.0, retry_s: float = 10.0) -> None:
         self.url = url
@@ -326,6 +327,8 @@ class PostgresStore(PostgresFleet):
                                " AND job_id=%s", (JobState.DONE.value, receipt_json, ts, user_id, job_id))
             if member is None:
                 return
+            if member.wire is not None:
+                await postgres_put_turn(conn, member.wire)
             if member.verified is not None:
                 loc = member.verified.locator
                 await conn.execute(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +46,25 @@ class Timings(BaseModel):
     total: int = 0
 
 
+class WireDifference(BaseModel):
+    """The first place the turn's request differs from what the model saw before (digests only)."""
+
+    index: int = Field(description="position in the request's conversation (user/assistant texts)")
+    role: Literal["user", "assistant"]
+    expected_digest: str | None = Field(default=None, description="sha256 of the expected text")
+    observed_digest: str | None = Field(default=None, description="sha256 of the text sent; None: the request "
+                                        "ends before this index")
+
+
+class WireInfo(BaseModel):
+    """The wire verdict of the turn (SPEC 12): did the model see the member's history?"""
+
+    requests: int = Field(description="model requests of the turn the proxy forwarded")
+    side_requests: int = Field(description="of those, side requests (preconnect, title, summary, …)")
+    history: Literal["new", "complete", "gap", "compacted", "none"]
+    first_difference: WireDifference | None = None
+
+
 class Receipt(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -64,5 +83,7 @@ class Receipt(BaseModel):
     sandbox: SandboxInfo = Field(default_factory=SandboxInfo)
     cli_version: str | None = None
     timings_ms: Timings = Field(default_factory=Timings)
+    wire: WireInfo | None = Field(default=None, description="the wire verdict; None on receipts written before "
+                                  "the model proxy audited turns")
     started_at: datetime
     finished_at: datetime

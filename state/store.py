@@ -28,6 +28,7 @@ from state.contract import (
 )
 from state.migrations import migrate
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
+from state.wire_ledger import SQLiteWireLedger, sqlite_put_turn
 from state.records import (
     JobRecord,
     PendingFork,
@@ -42,7 +43,7 @@ T = TypeVar("T")
 
 __all__ = ["Claim", "MemberOutcome", "Store", "VerifiedTurn", "now"]
 
-class Store(SQLiteFleet):
+class Store(SQLiteFleet, SQLiteWireLedger):
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -300,6 +301,8 @@ class Store(SQLiteFleet):
                        (JobState.DONE.value, receipt_json, ts, user_id, job_id))
             if member is None:
                 return
+            if member.wire is not None:
+                sqlite_put_turn(db, member.wire)
             if member.verified is not None:
                 loc = member.verified.locator
                 db.execute(

@@ -44,12 +44,18 @@ def test_host_id(home: Path) -> str:
     return "test-" + hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12]
 
 
+def test_socket_dir(home: Path) -> str:
+    """A short socket root per state dir (a tmp_path is too long for a unix socket address);
+    stable, so a restarted daemon on the same home finds its sockets' mounted directories."""
+    return "/tmp/ca-sock-" + hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12]
+
+
 def daemon_settings(home: Path, gateway_url: str, image: str, **overrides: Any) -> Settings:
     token_file = home / "token"
     home.mkdir(parents=True, exist_ok=True)
     token_file.write_text(TOKEN + "\n")
     env = {"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_GATEWAY_URL": gateway_url, "CLOUD_AGENT_IMAGE": image,
-           "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(token_file), "CLOUD_AGENT_SANDBOX_NETWORK": "host",
+           "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(token_file), "CLOUD_AGENT_SOCKET_DIR": test_socket_dir(home),
            "CLOUD_AGENT_HOST_ID": test_host_id(home)}
     settings = load_settings(env, **overrides)
     TEST_HOST_IDS.add(settings.resolved_host_id())
@@ -153,7 +159,7 @@ def daemon_process(home: Path, gateway_url: str, image: str, *, port: int | None
     home.mkdir(parents=True, exist_ok=True)
     (home / "token").write_text(TOKEN + "\n")
     env = dict(os.environ, CLOUD_AGENT_HOME=str(home), CLOUD_AGENT_GATEWAY_URL=gateway_url, CLOUD_AGENT_IMAGE=image,
-               CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"), CLOUD_AGENT_SANDBOX_NETWORK="host",
+               CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"), CLOUD_AGENT_SOCKET_DIR=test_socket_dir(home),
                CLOUD_AGENT_HOST_ID=test_host_id(home), CLOUD_AGENT_LISTEN_PORT=str(port))
     with serve_process(env, port, home / f"daemon-{port}.log") as dp:
         yield dp

@@ -11,9 +11,12 @@ from .models import RecordedRequest, Rule
 
 
 class FixtureClient:
-    def __init__(self, base_url: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str, *, token: str, timeout: float = 10.0) -> None:
+        """``token``: the fixture's control token (``LoopbackFixture.control_token``; the
+        ``--token-file`` of ``python -m deploy.loopback``)."""
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout,
+                                  headers={"authorization": f"Bearer {token}"})
 
     def requests(self, *, since: int = 0, kind: str | None = None, api: str | None = None) -> list[RecordedRequest]:
         params: dict[str, Any] = {"since": since}

@@ -13,8 +13,11 @@ and the control API under ``/_fixture/`` (never recorded).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import json
+import secrets
 import socket
 import threading
 import time
@@ -59,6 +62,7 @@ class _Server(ThreadingHTTPServer):
     behaviour: Behaviour
     recorder: Recorder
     stopping: threading.Event
+    control_token: str
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -248,6 +252,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _control(self, method: str, path: str, query: str, raw: bytes) -> None:
         server, route = self.server, path[len("/_fixture"):]
+        if route != "/health" and not _token_ok(self.headers.get("authorization", ""), server.control_token):
+            # SPEC 9.3: reading every tenant's requests or scripting replies needs the fixture's own token
+            self._send_json(401, {"error": {"message": "the fixture's control routes need its control token"}})
+            return
         try:
             if method == "GET" and route == "/requests":
                 q = parse_qs(query)
@@ -285,6 +293,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(422, {"error": {"message": str(exc)}})
 
 
+def _token_ok(header: str, token: str) -> bool:
+    scheme, _, presented = header.partition(" ")
+    expected = hashlib.sha256(token.encode()).digest()
+    return hmac.compare_digest(hashlib.sha256(presented.strip().encode()).digest(), expected) and \
+        scheme.lower() == "bearer"
+
+
 def _check_loopback(host: str) -> None:
     if host == "localhost":
         return
@@ -299,24 +314,30 @@ class LoopbackFixture:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, record_path: str | None = None,
-                 rules: list[Rule] | None = None) -> None:
+                 rules: list[Rule] | None = None, control_token: str | None = None) -> None:
         _check_loopback(host)
+        # The control routes (/_fixture/*) always need this token; in-process users read
+        # ``fx.recorder`` and ``fx.behaviour`` directly, other processes get it from the starter.
+        self.control_token = control_token or secrets.token_hex(24)
         self.behaviour = Behaviour(rules)
         self.recorder = Recorder(record_path)
         self._server = _Server((host, port), _Handler)
         self._server.behaviour, self._server.recorder = self.behaviour, self.recorder
+        self._server.control_token = self.control_token
         self._server.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.host, self.port = host, self._server.server_address[1]
 
     @classmethod
     def start(cls, host: str = "127.0.0.1", port: int = 0, *, record_path: str | None = None,
-              rules: list[Rule] | None = None, script: Script | str | None = None) -> LoopbackFixture:
+              rules: list[Rule] | None = None, script: Script | str | None = None,
+              control_token: str | None = None) -> LoopbackFixture:
         """Create and start a fixture. ``script``: a Script or the path of a JSON script file."""
         if isinstance(script, str):
             with open(script, encoding="utf-8") as f:
                 script = Script.model_validate_json(f.read())
-        fx = cls(host, port, record_path=record_path, rules=(rules or []) + (script.rules if script else []))
+        fx = cls(host, port, record_path=record_path, rules=(rules or []) + (script.rules if script else []),
+                 control_token=control_token)
         fx._thread = threading.Thread(target=fx._server.serve_forever, kwargs={"poll_interval": 0.05},
                                       name=f"loopback-{fx.port}", daemon=True)
         fx._thread.start()

@@ -66,7 +66,7 @@ def test_serve_refuses_a_short_or_missing_token_file(tmp_path) -> None:
 
 def test_dev_mode_on_loopback_serves_without_a_token(tmp_path, fx, sandbox_image) -> None:
     env = {"CLOUD_AGENT_DEV_MODE": "1", "CLOUD_AGENT_GATEWAY_URL": fx.base_url, "CLOUD_AGENT_IMAGE": sandbox_image,
-           "CLOUD_AGENT_HOST_ID": f"auth-{uuid.uuid4().hex[:10]}", "CLOUD_AGENT_SANDBOX_NETWORK": "host"}
+           "CLOUD_AGENT_HOST_ID": f"auth-{uuid.uuid4().hex[:10]}"}
     with spawn_daemon(tmp_path / "home", env) as d:
         resp = httpx.get(f"{d.url}/v1/attestation", timeout=30)
         assert resp.status_code == 200 and resp.json()["api_version"] == "1"
@@ -87,7 +87,7 @@ def test_every_route_but_healthz_needs_the_token(tmp_path, fx, sandbox_image) ->
     token_file.write_text(TOKEN + "\n")
     env = {"CLOUD_AGENT_SERVICE_TOKEN_FILE": str(token_file), "CLOUD_AGENT_GATEWAY_URL": fx.base_url,
            "CLOUD_AGENT_IMAGE": sandbox_image, "CLOUD_AGENT_HOST_ID": f"auth-{uuid.uuid4().hex[:10]}",
-           "CLOUD_AGENT_SANDBOX_NETWORK": "host"}
+           }
     with spawn_daemon(tmp_path / "home", env) as d, httpx.Client(base_url=d.url, timeout=30) as c:
         assert (c.get("/healthz").status_code, c.get("/healthz").json()) == (200, {"ok": True})
         for method, path in ROUTES:

@@ -90,7 +90,7 @@ def test_secrets_never_leak(fx, tmp_path, sandbox_image, docker_client) -> None:
     host_id = f"secrets-{uuid.uuid4().hex[:8]}"
     env = {"CLOUD_AGENT_GATEWAY_KEY_FILE": str(home / "gateway-key"),
            "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(home / "token"), "CLOUD_AGENT_GATEWAY_URL": fx.base_url,
-           "CLOUD_AGENT_IMAGE": sandbox_image, "CLOUD_AGENT_HOST_ID": host_id, "CLOUD_AGENT_SANDBOX_NETWORK": "host"}
+           "CLOUD_AGENT_IMAGE": sandbox_image, "CLOUD_AGENT_HOST_ID": host_id}
     chat = Chat("codex")
     fx.add_rules(reject("the gateway refused this request", match="please fail"))
     with spawn_daemon(home, env) as d, httpx.Client(base_url=d.url, timeout=300,

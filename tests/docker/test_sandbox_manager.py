@@ -10,7 +10,7 @@ import pytest
 
 from images.identity import carries_bridge
 from images.pins import load_pins
-from sandbox_manager.engine import DockerEngine, FileEntry
+from sandbox_manager.engine import ContainerInfo, DockerEngine, FileEntry
 from sandbox_manager.sandboxes import (
     LABEL_IDENTITY,
     LostReason,
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 def manager(tmp_path, sandbox_image, docker_client):
     engine = DockerEngine()
     store = Store(tmp_path / "store.db")
-    mgr = SandboxManager(engine, store, SandboxConfig(image=sandbox_image, network="none", host_id="test-host",
+    mgr = SandboxManager(engine, store, SandboxConfig(image=sandbox_image, socket_root=str(tmp_path / "sockets"), host_id="test-host",
                                                       require_helper=carries_bridge(load_pins())))
     created: list[str] = []
     mgr._test_created = created  # type: ignore[attr-defined]
@@ -62,7 +62,11 @@ async def test_create_hardened_and_retained(manager: SandboxManager, docker_clie
     assert host["NetworkMode"] == "none"
     assert host["Memory"] > 0 and host["PidsLimit"] > 0
     assert attrs["Config"]["User"] == "agent"
-    assert not attrs["Mounts"]
+    # the one mount: its own model socket directory, read-only (SPEC 7)
+    assert [(m["Type"], m["Source"], m["Destination"], m["RW"]) for m in attrs["Mounts"]] == [
+        ("bind", str(manager.socket_dir(user, chat)), "/run/cloud-agent/model", False)]
+    assert attrs["Config"]["Cmd"] == ["ca-modelgate", "--socket", "/run/cloud-agent/model/model.sock",
+                                      "--listen", "127.0.0.1:18080"]
     # retained: a file survives stop/start
     code, _ = await manager.engine.exec_run(sb.container_id, ["sh", "-c", "echo kept > /home/agent/workspace/m"])
     assert code == 0
@@ -145,6 +149,36 @@ async def test_lost_when_labels_tampered(manager: SandboxManager, docker_client)
         await manager.resolve(user, chat)
     assert err.value.reason == LostReason.LABELS_MISMATCH
     other.remove(force=True)
+
+
+async def test_a_sandbox_from_before_sealing_is_refused_not_sealed_in_place(manager: SandboxManager,
+                                                                           docker_client) -> None:
+    # Sandboxes created before issue 12 ran `sleep infinity` without a model socket mount (with
+    # host networking for a loopback gateway). Docker cannot add a mount or change the network
+    # of an existing container, and a new one would lose the native state: refused, named.
+    user, chat = ids()
+    sb = await manager.resolve(user, chat)
+    labels = docker_client.api.inspect_container(sb.container_id)["Config"]["Labels"]
+    docker_client.api.remove_container(sb.container_id, force=True)
+    old = docker_client.containers.create(sb.image.id, ["sleep", "infinity"], name=sb.record.container_name,
+                                          init=True, labels=labels, network_mode="none", user="agent")
+    rec = await manager.store.get_sandbox(user, chat)
+    await manager.store.put_sandbox(rec.model_copy(update={"container_id": old.id}))
+    with pytest.raises(SandboxLost) as err:
+        await manager.resolve(user, chat)
+    assert err.value.reason == LostReason.NOT_SEALED
+    assert err.value.detail == (f"no read-only model socket mount of {manager.socket_dir(user, chat)} "
+                                "at /run/cloud-agent/model")
+    assert (await manager.store.get_sandbox(user, chat)).lost_reason == "sandbox_not_sealed"
+    old.remove(force=True)
+    # the host-networked variant, judged from its inspect document (never run here)
+    host_net = ContainerInfo(id="x", name="n", status="exited", image_id="i", labels={},
+                             attrs={"HostConfig": {"NetworkMode": "host"}, "Mounts": []})
+    with pytest.raises(SandboxLost) as err:
+        manager._check_sealed(rec, host_net)
+    assert (err.value.reason, err.value.detail) == (
+        LostReason.NOT_SEALED, "created with network 'host'; sandboxes are now sealed (network none) and this one "
+        "cannot be sealed in place")
 
 
 async def test_lost_when_data_root_identity_changes(manager: SandboxManager) -> None:

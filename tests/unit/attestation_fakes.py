@@ -112,7 +112,7 @@ def make_attestor(tmp: Path, engine: FakeEngine, *, sha: str | None = "a" * 40, 
                   probe_timeout_s: float = 5, beat_age_s: float | None = 0.0,
                   beat_interval_s: float = 10) -> Attestor:
     store = Store(tmp / "store.db")
-    manager = SandboxManager(engine, store, SandboxConfig(image=IMAGE, network="none", host_id="host-a"))  # type: ignore[arg-type]
+    manager = SandboxManager(engine, store, SandboxConfig(image=IMAGE, host_id="host-a"))  # type: ignore[arg-type]
     hb = Heartbeat(interval_s=beat_interval_s)
     if beat_age_s is not None:
         hb.last_beat, hb.beats = datetime.now(UTC) - timedelta(seconds=beat_age_s), 1

@@ -29,7 +29,7 @@ async def test_a_passing_probe_times_every_step_and_removes_its_container(tmp_pa
     # only the probe label: never a sandbox or host label that reap_orphans or a chat could pick up
     assert spec.labels == {PROBE_LABEL: "host-a"}
     assert LABEL_SANDBOX not in spec.labels and LABEL_HOST not in spec.labels
-    assert (spec.network, spec.user, spec.pids_limit, spec.memory_bytes) == ("none", "agent", 64, 256 * 1024**2)
+    assert (spec.mounts, spec.user, spec.pids_limit, spec.memory_bytes) == ((), "agent", 64, 256 * 1024**2)
     assert spec.name.startswith("ca-probe-")
     assert att.prober.last is result
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -53,9 +55,23 @@ def test_settings_env_and_file(tmp_path) -> None:
     s = load_settings({"CLOUD_AGENT_CONFIG": str(cfg), "CLOUD_AGENT_HOME": str(tmp_path),
                        "CLOUD_AGENT_MODEL_PI": "pi-env", "CLOUD_AGENT_TURN_TIMEOUT_S": "30"})
     assert (s.turn_timeout_s, s.models["codex"], s.models["pi"]) == (30.0, "from-file", "pi-env")
-    assert s.network_for("http://127.0.0.1:9000") == "host"
-    assert s.network_for("https://gateway.example.com") == "none"
-    assert load_settings({"CLOUD_AGENT_SANDBOX_NETWORK": "agents"}).network_for("http://127.0.0.1:1") == "agents"
+    assert s.socket_root == tmp_path / "sockets"
+    long_home = tmp_path / ("h" * 80)
+    with pytest.raises(ValueError, match=r"^home \(CLOUD_AGENT_HOME\): the model socket path would be \d+ bytes"):
+        load_settings({"CLOUD_AGENT_HOME": str(long_home)}).check_socket_root()
+    short = load_settings({"CLOUD_AGENT_HOME": str(long_home), "CLOUD_AGENT_SOCKET_DIR": "/tmp/s"})
+    assert short.check_socket_root() == Path("/tmp/s")
+
+
+@pytest.mark.parametrize("value", ["host", "none", "agents"])
+def test_there_is_no_sandbox_network_setting(value, tmp_path) -> None:
+    # SPEC 7/10: every sandbox is sealed; a leftover setting is an error, never ignored
+    with pytest.raises(ValueError, match="CLOUD_AGENT_SANDBOX_NETWORK: removed"):
+        load_settings({"CLOUD_AGENT_SANDBOX_NETWORK": value, "CLOUD_AGENT_HOME": str(tmp_path)})
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'sandbox_network = "{value}"\n')
+    with pytest.raises(ValueError, match="sandbox_network"):
+        load_settings({"CLOUD_AGENT_CONFIG": str(cfg), "CLOUD_AGENT_HOME": str(tmp_path)})
 
 
 def test_secrets_never_in_repr(tmp_path) -> None:

@@ -162,7 +162,7 @@ def test_concurrent_requests(fx) -> None:
 
 
 def test_control_api(fx) -> None:
-    with FixtureClient(fx.base_url) as client:
+    with FixtureClient(fx.base_url, token=fx.control_token) as client:
         ids = client.add_rules(reply("scripted", match="hello"))
         assert [r.id for r in client.rules()] == ids
         assert chat_text(events(fx, *CHAT)) == "scripted"
@@ -174,10 +174,27 @@ def test_control_api(fx) -> None:
         assert client.requests() == [] and client.rules() == []
     # control traffic is never recorded
     assert fx.requests() == []
-    bad = httpx.post(fx.base_url + "/_fixture/rules", json={"action": {"type": "nope"}})
+    auth = {"authorization": f"Bearer {fx.control_token}"}
+    bad = httpx.post(fx.base_url + "/_fixture/rules", json={"action": {"type": "nope"}}, headers=auth)
     assert bad.status_code == 422
-    raw = httpx.post(fx.base_url + "/_fixture/rules", json=[{"match": "x", "action": {"type": "reply", "text": "y"}}])
+    raw = httpx.post(fx.base_url + "/_fixture/rules", json=[{"match": "x", "action": {"type": "reply", "text": "y"}}],
+                     headers=auth)
     assert raw.status_code == 200 and len(fx.rules()) == 1
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong-token", "Basic {token}", "{token}"])
+def test_control_routes_need_the_fixture_token(fx, header) -> None:
+    # SPEC 9.3: without its own token nobody reads the recorded requests nor scripts replies
+    headers = {} if header is None else {"authorization": header.format(token=fx.control_token)}
+    fx.add_rules(reply("kept", match="hello"))
+    for method, path, body in (("GET", "/_fixture/requests", None), ("GET", "/_fixture/rules", None),
+                               ("POST", "/_fixture/rules", [{"match": "x", "action": {"type": "reply", "text": "y"}}]),
+                               ("POST", "/_fixture/reset", {})):
+        resp = httpx.request(method, fx.base_url + path, json=body, headers=headers)
+        assert (resp.status_code, resp.json()["error"]["message"]) == (
+            401, "the fixture's control routes need its control token")
+    assert [r.action.text for r in fx.rules()] == ["kept"]
+    assert httpx.get(fx.base_url + "/_fixture/health").json() == {"ok": True}
 
 
 def test_only_loopback_hosts() -> None:
@@ -198,14 +215,20 @@ def test_module_entry_point(tmp_path) -> None:
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"rules": [{"match": "hello", "action": {"type": "reply", "text": "from script"}}]}))
     record = tmp_path / "rec.jsonl"
+    token_file = tmp_path / "token"
     proc = subprocess.Popen([sys.executable, "-m", "deploy.loopback", "--port", "0", "--record", str(record),
-                             "--script", str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+                             "--script", str(script), "--token-file", str(token_file)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("loopback listening on http://127.0.0.1:")
         url = line.rsplit(" ", 1)[1]
         resp = httpx.post(url + CHAT[0], json=CHAT[1], timeout=10)
         assert "from script"[:3] in resp.text
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        assert httpx.get(url + "/_fixture/rules", timeout=10).status_code == 401
+        with FixtureClient(url, token=token_file.read_text().strip()) as client:
+            assert [r.action.text for r in client.rules()] == ["from script"]
     finally:
         proc.terminate()
         assert proc.wait(10) == 0

@@ -1,0 +1,169 @@
+"""The wire ledger (SPEC 12): what the model proxy saw, per member, in the store.
+
+Two tables (migration 6):
+
+* ``wire_records`` — one row per request through the proxy: the record as JSON with digests
+  only; ``capture_json`` holds message texts only when the operator turned capture on, and
+  :meth:`purge_wire_capture` clears them after ``CLOUD_AGENT_WIRE_CAPTURE_DAYS``.
+* ``wire_turns`` — one row per committed turn, written in the same transaction as its receipt
+  (``state.contract.MemberOutcome.wire``): the baseline the turn leaves for the next one
+  (digests) and, for a settled failure whose query reached the model, that query's text —
+  the next turn's verdict needs it (a CLI may fold it into the next message); it is cleared
+  by the next turn that settles successfully.
+
+The store only keeps JSON it is given: the record and baseline types live in ``proxy``.
+One SQL text serves both backends (``?`` placeholders; PostgreSQL gets ``%s``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WireRecordRow:
+    record_id: str
+    user_id: str
+    chat_id: str
+    member_id: str | None
+    job_id: str | None
+    ordinal: str  # sorts records in arrival order, across proxy restarts
+    record_json: str
+    capture_json: str | None
+    created_at: str
+
+
+@dataclass(frozen=True)
+class WireTurnRow:
+    user_id: str
+    chat_id: str
+    member_id: str
+    job_id: str
+    settled_index: int  # the member's settled turns once this turn committed
+    outcome: str
+    conversational: bool  # a conversational request of the turn reached the proxy
+    baseline_json: str | None
+    failed_text: str | None
+    created_at: str
+
+
+_INSERT_RECORD = ("INSERT INTO wire_records (record_id, user_id, chat_id, member_id, job_id, ordinal, record_json,"
+                  " capture_json, created_at) VALUES (?,?,?,?,?,?,?,?,?)")
+_RECORDS_OF_JOB = ("SELECT * FROM wire_records WHERE user_id=? AND chat_id=? AND job_id=? ORDER BY ordinal")
+_INSERT_TURN = ("INSERT INTO wire_turns (user_id, chat_id, member_id, job_id, settled_index, outcome, conversational,"
+                " baseline_json, failed_text, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)")
+_CLEAR_FAILED = ("UPDATE wire_turns SET failed_text=NULL WHERE user_id=? AND chat_id=? AND member_id=?"
+                 " AND failed_text IS NOT NULL")
+_TURNS = "SELECT * FROM wire_turns WHERE user_id=? AND chat_id=? AND member_id=? ORDER BY created_at, job_id"
+_PURGE = "UPDATE wire_records SET capture_json=NULL WHERE capture_json IS NOT NULL AND created_at < ?"
+_DELETE_CHAT = ("DELETE FROM wire_records WHERE user_id=? AND chat_id=?",
+                "DELETE FROM wire_turns WHERE user_id=? AND chat_id=?")
+
+
+def _record(row: Any) -> WireRecordRow:
+    return WireRecordRow(**{k: row[k] for k in WireRecordRow.__dataclass_fields__})
+
+
+def _turn(row: Any) -> WireTurnRow:
+    values = {k: row[k] for k in WireTurnRow.__dataclass_fields__}
+    values["conversational"] = bool(values["conversational"])
+    return WireTurnRow(**values)
+
+
+def turn_params(turn: WireTurnRow) -> tuple[Any, ...]:
+    return (turn.user_id, turn.chat_id, turn.member_id, turn.job_id, turn.settled_index, turn.outcome,
+            int(turn.conversational), turn.baseline_json, turn.failed_text, turn.created_at)
+
+
+def sqlite_put_turn(db: sqlite3.Connection, turn: WireTurnRow) -> None:
+    """Inside ``finish_job``'s transaction (SQLite)."""
+    if turn.outcome == "succeeded":
+        db.execute(_CLEAR_FAILED, (turn.user_id, turn.chat_id, turn.member_id))
+    db.execute(_INSERT_TURN, turn_params(turn))
+
+
+async def postgres_put_turn(conn: Any, turn: WireTurnRow) -> None:
+    """Inside ``finish_job``'s transaction (PostgreSQL)."""
+    if turn.outcome == "succeeded":
+        await conn.execute(_pg(_CLEAR_FAILED), (turn.user_id, turn.chat_id, turn.member_id))
+    await conn.execute(_pg(_INSERT_TURN), turn_params(turn))
+
+
+def _pg(sql: str) -> str:
+    return sql.replace("?", "%s")
+
+
+class SQLiteWireLedger:
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        raise NotImplementedError
+
+    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+        raise NotImplementedError
+
+    async def put_wire_record(self, row: WireRecordRow) -> None:
+        params = tuple(getattr(row, k) for k in WireRecordRow.__dataclass_fields__)
+        await self._run(lambda db: self._tx(db, lambda d: d.execute(_INSERT_RECORD, params)))
+
+    async def wire_records_of_job(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecordRow]:
+        return await self._run(lambda db: [_record(r) for r in db.execute(_RECORDS_OF_JOB,
+                                                                          (user_id, chat_id, job_id))])
+
+    async def wire_turns(self, user_id: str, chat_id: str, member_id: str) -> list[WireTurnRow]:
+        return await self._run(lambda db: [_turn(r) for r in db.execute(_TURNS, (user_id, chat_id, member_id))])
+
+    async def purge_wire_capture(self, before: datetime) -> int:
+        return await self._run(lambda db: self._tx(db, lambda d: d.execute(_PURGE, (before.isoformat(),)).rowcount))
+
+    async def delete_wire_chat(self, user_id: str, chat_id: str) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            for sql in _DELETE_CHAT:
+                db.execute(sql, (user_id, chat_id))
+
+        await self._run(lambda db: self._tx(db, q))
+
+
+class PostgresWireLedger:
+    async def _tx(self, fn: Callable[[Any], Awaitable[T]]) -> T:
+        raise NotImplementedError
+
+    async def put_wire_record(self, row: WireRecordRow) -> None:
+        params = tuple(getattr(row, k) for k in WireRecordRow.__dataclass_fields__)
+
+        async def q(conn: Any) -> None:
+            await conn.execute(_pg(_INSERT_RECORD), params)
+
+        await self._tx(q)
+
+    async def wire_records_of_job(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecordRow]:
+        async def q(conn: Any) -> list[WireRecordRow]:
+            cur = await conn.execute(_pg(_RECORDS_OF_JOB), (user_id, chat_id, job_id))
+            return [_record(r) for r in await cur.fetchall()]
+
+        return await self._tx(q)
+
+    async def wire_turns(self, user_id: str, chat_id: str, member_id: str) -> list[WireTurnRow]:
+        async def q(conn: Any) -> list[WireTurnRow]:
+            cur = await conn.execute(_pg(_TURNS), (user_id, chat_id, member_id))
+            return [_turn(r) for r in await cur.fetchall()]
+
+        return await self._tx(q)
+
+    async def purge_wire_capture(self, before: datetime) -> int:
+        async def q(conn: Any) -> int:
+            cur = await conn.execute(_pg(_PURGE), (before.isoformat(),))
+            return cur.rowcount
+
+        return await self._tx(q)
+
+    async def delete_wire_chat(self, user_id: str, chat_id: str) -> None:
+        async def q(conn: Any) -> None:
+            for sql in _DELETE_CHAT:
+                await conn.execute(_pg(sql), (user_id, chat_id))
+
+        await self._tx(q)

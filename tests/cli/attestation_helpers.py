@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import httpx
 
-from tests.daemon_harness import DaemonProcess, free_port, serve_process
+from tests.daemon_harness import DaemonProcess, free_port, serve_process, test_socket_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,8 @@ def spawn_daemon(home: Path, env: dict[str, str]) -> Iterator[DaemonProcess]:
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("CLOUD_AGENT_")}
-    full = base | {"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_LISTEN_PORT": str(port)} | env
+    full = base | {"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_LISTEN_PORT": str(port),
+                   "CLOUD_AGENT_SOCKET_DIR": test_socket_dir(home)} | env
     with serve_process(full, port, home / f"daemon-{port}.log", cwd=REPO) as spawned:
         yield spawned
 

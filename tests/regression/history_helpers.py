@@ -100,8 +100,15 @@ class Member:
         assert resp.status_code == 200 and receipt is not None, (resp.status_code, events)
         requests = [r for r in self.fx.requests() if r.seq > mark]
         turn = TurnResult(message, receipt, events, requests, seconds)
+        if not turn.conversation:
+            # the fixture saw no conversational request of this turn: neither did the proxy
+            assert_wire(turn, "none", self.runtime)
         self.turns.append(turn)
         return turn
+
+    def first_on_the_wire(self, t: TurnResult) -> bool:
+        """No earlier turn of this member reached the model and it inherits no history."""
+        return not self.history and not any(e.conversation for e in self.turns if e is not t)
 
     async def turn(self, message: str, status: str, *, kinds: dict[str, int] | None = None,
                    expected: list[Message] | None = None,
@@ -120,6 +127,8 @@ class Member:
         assert (t.receipt["context_status"], t.receipt["outcome"]) == (status, "succeeded"), ctx
         assert t.kinds() == (kinds or {"conversation": 1}), ctx
         assert_requests(t, expected, self.runtime, transform=transform)
+        if transform is None:  # the fixture's audit says complete: so must the product's verdict
+            assert_wire(t, "new" if self.first_on_the_wire(t) else "complete", self.runtime)
         assert t.receipt["assistant_text"] == reply, ctx
         self.history = [*expected, Message.assistant(reply)]
         return t
@@ -140,6 +149,7 @@ class Member:
         assert t.kinds() == (kinds or {"conversation": 1}), ctx
         assert t.statuses() == (statuses or [400]), ctx
         assert_requests(t, [*self.history, Message.user(message)], self.runtime, which=slice(0, 1))
+        assert_wire(t, "new" if self.first_on_the_wire(t) else "complete", self.runtime)
         return t
 
     async def status(self) -> dict[str, Any]:
@@ -165,6 +175,18 @@ class Member:
         resp = await self.d.client.post(f"{self.base}/members/{self.member_id}/fork", json=body)
         assert resp.status_code == 200, resp.text
         return resp.json()
+
+
+def assert_wire(t: TurnResult, history: str, runtime: str) -> None:
+    """Two witnesses agree (SPEC 9.1, 12): the receipt's wire verdict is what the fixture's
+    exact audit of the same turn says, and its request counts are the fixture's."""
+    wire = t.receipt.get("wire")
+    ctx = f"[{runtime}] receipt wire={wire}\n{t.describe()}"
+    assert wire is not None and wire["history"] == history, ctx
+    assert wire["first_difference"] is None, ctx
+    model = [r for r in t.requests if r.kind not in NOT_MODEL]
+    assert wire["requests"] - wire["side_requests"] == len(t.conversation), ctx
+    assert wire["side_requests"] >= len(model) - len(t.conversation), ctx
 
 
 def assert_requests(t: TurnResult, expected: list[Message], runtime: str, *, which: slice = slice(None),

@@ -2,19 +2,18 @@
 
 A :class:`LaunchSpec` is plain data. Whoever owns the place the CLI runs (a local
 subprocess in tests, the sandbox manager's ``docker exec`` in production) materialises it:
-writes ``files``, then starts ``launcher_argv()`` and sends ``secret_header_line()`` as the
-first stdin line. Secrets therefore never appear on a command line, in container config,
-in labels or in files, and ``repr()`` of a spec never shows them.
+writes ``files``, then starts ``launcher_argv()``. A spec holds no secret: the gateway key
+never enters a sandbox (SPEC 7) — each CLI is configured with the sandbox's placeholder key,
+which the host's model proxy replaces on the way out.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field
 
 IN_SANDBOX_LAUNCHER = "ca-launch"
 
@@ -41,13 +40,12 @@ class HeaderCheck(BaseModel):
 
 
 class LaunchSpec(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     runtime: str
     argv: list[str]
     cwd: str
     env: dict[str, str] = Field(default_factory=dict)
-    secret_env: dict[str, SecretStr] = Field(default_factory=dict)
     files: list[FileSpec] = Field(default_factory=list)
     dirs: list[str] = Field(default_factory=list)
     # Prechecks run by the launcher before the CLI starts; a failure prints one JSON line
@@ -58,19 +56,12 @@ class LaunchSpec(BaseModel):
 
     def launcher_argv(self, *, pidfile: str, launcher: Sequence[str] = (IN_SANDBOX_LAUNCHER,)) -> list[str]:
         argv = [*launcher, "--pidfile", pidfile, "--cwd", self.cwd]
-        if self.secret_env:
-            argv.append("--secret-header")
         for path in self.require_files:
             argv += ["--require-file", path]
         if self.require_header is not None:
             h = self.require_header
             argv += ["--require-header", h.path, h.key, h.value]
         return argv + ["--", *self.argv]
-
-    def secret_header_line(self) -> bytes | None:
-        if not self.secret_env:
-            return None
-        return json.dumps({k: v.get_secret_value() for k, v in self.secret_env.items()}).encode()
 
     def materialize_files_locally(self) -> None:
         """Write dirs and files on this machine (local-process transport)."""

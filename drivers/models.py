@@ -42,12 +42,14 @@ class MemberPaths(BaseModel):
 
 class GatewayConfig(BaseModel):
     """The model gateway the CLI talks to. One base URL serves /v1/messages,
-    /v1/responses and /v1/chat/completions."""
+    /v1/responses and /v1/chat/completions. In a sandbox that is the member's own prefix on
+    the model socket's forwarder (``http://127.0.0.1:<port>/m/<member key>``) and ``key`` is
+    the sandbox's placeholder: the host's model proxy holds the real key (SPEC 7)."""
 
     model_config = ConfigDict(frozen=True)
 
     base_url: str
-    key: SecretStr
+    key: SecretStr  # a SecretStr all the same: host-side tests may hand a CLI a real key
     model: str
 
 

@@ -22,5 +22,4 @@ async def start_in_sandbox(manager: SandboxManager, sandbox: Sandbox, dirs: Memb
     pidfile = f"{dirs.run_dir}/{name}.pid"
     argv = spec.launcher_argv(pidfile=pidfile)
     # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
-    return await manager.launch(sandbox, argv=argv, env=dict(spec.env), workdir="/home/agent", pidfile=pidfile,
-                                stdin_header=spec.secret_header_line())
+    return await manager.launch(sandbox, argv=argv, env=dict(spec.env), workdir="/home/agent", pidfile=pidfile)

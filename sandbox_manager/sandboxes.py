@@ -319,10 +319,8 @@ class SandboxManager:
             await self.engine.put_files(sandbox.container_id, files, dirs)
 
     async def launch(self, sandbox: Sandbox, *, argv: list[str], env: dict[str, str], workdir: str,
-                     pidfile: str, stdin_header: bytes | None) -> MemberProcess:
+                     pidfile: str) -> MemberProcess:
         stream = await self.engine.exec_attached(sandbox.container_id, argv, env=env, workdir=workdir)
-        if stdin_header is not None:
-            await stream.send(stdin_header)
         return MemberProcess(container_id=sandbox.container_id, stream=stream, pidfile=pidfile)
 
     async def kill_group(self, container_id: str, pidfile: str, grace_s: float = 3.0) -> None:

@@ -110,8 +110,8 @@ def plan(runtime: str, paths: MemberPaths, gateway: GatewayConfig, resume: Locat
         runtime=runtime,
         argv=[*bridge_command, "--runtime", runtime, *bridge_args],
         cwd=paths.workspace,
-        env=env,
-        secret_env={KEY_ENV: gateway.key},
+        # the placeholder the model proxy swaps for the real key (SPEC 7): not a secret
+        env={**env, KEY_ENV: gateway.key.get_secret_value()},
         files=files,
         dirs=dirs,
         require_files=[native_db(runtime, home)] if resume is not None else [],

@@ -113,8 +113,8 @@ def spec(settings: ClaudeSettings, paths: MemberPaths, gateway: GatewayConfig, c
         runtime=RUNTIME,
         argv=command,
         cwd=paths.workspace,
-        env=environment(settings, paths, gateway, compaction=compaction),
-        secret_env={KEY_ENV: gateway.key},
+        # the placeholder the model proxy swaps for the real key (SPEC 7): not a secret
+        env={**environment(settings, paths, gateway, compaction=compaction), KEY_ENV: gateway.key.get_secret_value()},
         files=files or [],
         dirs=[paths.home, config_dir(paths), tmp_dir(paths), paths.workspace, paths.run_dir],
         require_files=require or [],

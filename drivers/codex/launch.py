@@ -22,7 +22,7 @@ Decisions (protocols/codex.md §2, §7, §10; re-measured on 0.171.0):
   Codex slug would be a lie to it; the price is one ``warning`` notification per turn
   ("Model metadata for … not found"), surfaced as a ``Notice`` and never as a failure.
 * The gateway key reaches Codex only as the environment variable named by ``env_key``,
-  delivered through ``spec.secret_env`` (the launcher's secret header).
+  set in its plain environment: it is the sandbox's placeholder, the model proxy holds the real key.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def plan(settings: CodexSettings, paths: MemberPaths, gateway: GatewayConfig, re
         # instead of being silently ignored.
         argv=[settings.binary, "app-server", "--strict-config"],
         cwd=paths.workspace,
-        env={"CODEX_HOME": home, "HOME": paths.home},
-        secret_env={KEY_ENV: gateway.key},
+        # the placeholder the model proxy swaps for the real key (SPEC 7): not a secret
+        env={"CODEX_HOME": home, "HOME": paths.home, KEY_ENV: gateway.key.get_secret_value()},
         files=[config_file(paths, gateway, settings)],
         dirs=[paths.home, home, paths.workspace, paths.run_dir],
     )

@@ -13,7 +13,7 @@ Decisions (measured on 0.73.1 against the loopback fixture, tests/cli/test_pi_dr
   as the key (seen: the literal name reached the fixture as the credential). The ``!`` form
   runs the command instead; when the variable is missing it prints nothing, pi refuses the
   call ("Failed to resolve API key … from shell command") and **no request is sent**. The
-  variable is delivered only through ``spec.secret_env`` (the launcher's secret header).
+  variable is set in the plain environment: it holds the sandbox's placeholder (the model proxy holds the real key).
 * **Retries: pi's auto-retry stays on, bounded** (``retry.maxRetries``, ``baseDelayMs``
   doubling), and the SDK's own HTTP retries are off (``retry.provider.maxRetries: 0``) so every
   retry is a visible ``auto_retry_start`` inside the same native turn: a transient 5xx never
@@ -155,8 +155,8 @@ def plan(settings: PiSettings, paths: MemberPaths, gateway: GatewayConfig, resum
         runtime=RUNTIME,
         argv=argv(settings, path, sessions_dir(paths)),
         cwd=paths.workspace,
-        env=environment(paths, settings),
-        secret_env={KEY_ENV: gateway.key},
+        # the placeholder the model proxy swaps for the real key (SPEC 7): not a secret
+        env={**environment(paths, settings), KEY_ENV: gateway.key.get_secret_value()},
         files=config_files(paths, gateway, settings, compaction=compaction),
         dirs=[paths.home, agent_dir(paths), sessions_dir(paths), paths.workspace, paths.run_dir],
         # RESTORED: the file must exist and carry the saved id, or pi would start a new

@@ -110,7 +110,7 @@ async def main(n: int) -> None:
                                                                           model="bench"), None)
             await sup.manager.prepare_files(sb, [FileEntry(f.path, f.content.encode(), f.mode)
                                                  for f in launch.spec.files], [], [dirs.home, dirs.run_dir])
-            env = dict(launch.spec.env, **{k: v.get_secret_value() for k, v in launch.spec.secret_env.items()})
+            env = dict(launch.spec.env)
             bare = BareCodex(container, launch.spec.argv, env)
             bare.call("initialize", {"clientInfo": {"name": "bench", "title": "bench", "version": "0"}})
             bare.notify("initialized")

@@ -84,7 +84,7 @@ class Box(DriverBox):
         driver = BridgeDriver(runtime, DriverOptions(helper_version=load_pins().helper.version),
                               bridge_args=("--trace", str(trace), *bridge_args), config_overrides=config)
         launch = driver.plan(paths, gateway or self.gateway, resume)
-        assert KEY not in json.dumps(launch.spec.model_dump(exclude={"secret_env"}), default=str)
+        assert KEY not in json.dumps([launch.spec.argv, [f.content for f in launch.spec.files]])
         t = await self.launch(launch.spec, paths, setup_workspace=self._git_commit if git else None)
         return driver.session(t, launch)
 

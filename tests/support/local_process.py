@@ -68,11 +68,7 @@ class LocalProcessTransport:
                                             start_new_session=False)
         finally:
             stderr.close()
-        t = cls(proc, stderr_path, pidfile, max_line=max_line)
-        header = spec.secret_header_line()
-        if header is not None:
-            await t.send(header)
-        return t
+        return cls(proc, stderr_path, pidfile, max_line=max_line)
 
     async def send(self, line: bytes) -> None:
         if self._closed or self._proc.stdin is None:

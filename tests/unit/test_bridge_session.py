@@ -91,9 +91,10 @@ def test_plan_new(runtime: str) -> None:
     spec = launch.spec
     assert launch.expected is None and launch.resume is False
     assert spec.argv == ["http-agent-live-bridge", "--runtime", runtime] and spec.cwd == "/w/ws"
-    assert spec.secret_env[KEY_ENV].get_secret_value() == KEY
-    public = json.dumps(spec.model_dump(exclude={"secret_env"}), default=str)
-    assert KEY not in public and KEY not in repr(spec)
+    # SPEC 7: the placeholder key in the bridge's plain env (it hands it to the server's env)
+    assert spec.env[KEY_ENV] == KEY and not hasattr(spec, "secret_env")
+    public = json.dumps([spec.argv, [f.content for f in spec.files], spec.launcher_argv(pidfile="/p")])
+    assert KEY not in public
     assert spec.require_files == [] and spec.inherit_env is False
     env = spec.env
     assert env["HOME"] == "/m/home" and env["XDG_DATA_HOME"] == "/m/home/.local/share"

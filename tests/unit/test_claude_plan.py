@@ -51,9 +51,9 @@ def test_new_launch_mints_the_session_id() -> None:
                  "DISABLE_ERROR_REPORTING"):
         assert env[name] == "1"
     assert env["CLAUDE_CODE_MAX_RETRIES"] == "2" and "IS_SANDBOX" not in env
-    # the key only travels in the launcher's secret header
-    assert list(spec.secret_env) == [KEY_ENV] and spec.secret_env[KEY_ENV].get_secret_value() == KEY
-    assert KEY not in json.dumps(spec.argv) + json.dumps(env) + repr(spec)
+    # SPEC 7: the key Claude holds is the sandbox's placeholder, in its plain env only
+    assert env[KEY_ENV] == KEY and not hasattr(spec, "secret_env")
+    assert KEY not in json.dumps(spec.argv) + json.dumps([f.content for f in spec.files])
     assert KEY not in " ".join(spec.launcher_argv(pidfile="/run/p"))
     assert set(spec.dirs) >= {PATHS.home, PATHS.workspace, PATHS.run_dir, env["TMPDIR"], env["CLAUDE_CONFIG_DIR"]}
     assert ClaudeDriver().plan(PATHS, GW, None).expected != launch.expected
@@ -74,8 +74,8 @@ def test_restored_launch_resumes_from_the_original_cwd_behind_a_precheck() -> No
     assert launch.spec.cwd == PATHS.workspace
     transcript = f"/home/agent/members/m1/.claude/projects/-home-agent-workspace/{SID}.jsonl"
     assert launch.spec.require_files == [transcript] == [d.transcript(PATHS, Locator(id=SID))]
-    assert launch.spec.launcher_argv(pidfile="/p")[:8] == ["ca-launch", "--pidfile", "/p", "--cwd", PATHS.workspace,
-                                                           "--secret-header", "--require-file", transcript]
+    assert launch.spec.launcher_argv(pidfile="/p")[:7] == ["ca-launch", "--pidfile", "/p", "--cwd", PATHS.workspace,
+                                                           "--require-file", transcript]
 
 
 def test_a_hostile_locator_cannot_escape_the_projects_dir() -> None:

@@ -31,7 +31,7 @@ def test_new_plan_runs_the_native_binary_with_an_isolated_fixed_home() -> None:
     assert launch.expected is None and launch.resume is False
     assert spec.argv == ["codex-native", "app-server", "--strict-config"]
     assert spec.cwd == PATHS.workspace
-    assert spec.env == {"CODEX_HOME": "/home/agent/members/m1/.codex", "HOME": PATHS.home}
+    assert spec.env == {"CODEX_HOME": "/home/agent/members/m1/.codex", "HOME": PATHS.home, KEY_ENV: KEY}
     assert [f.path for f in spec.files] == ["/home/agent/members/m1/.codex/config.toml"]
     assert spec.files[0].overwrite is True
     assert {"/home/agent/members/m1/.codex", PATHS.workspace, PATHS.run_dir} <= set(spec.dirs)
@@ -44,12 +44,13 @@ def test_restored_plan_expects_the_saved_thread() -> None:
     assert CodexDriver().plan_fork(PATHS, GW, loc) == launch
 
 
-def test_the_key_travels_only_in_secret_env() -> None:
+def test_the_placeholder_key_travels_only_in_the_env_key_variable() -> None:
+    # SPEC 7: the key a CLI holds is the sandbox's placeholder, set in its plain env (no stdin
+    # secret header any more); it stays off the command line and out of every file
     spec = CodexDriver().plan(PATHS, GW, None).spec
-    assert {k: v.get_secret_value() for k, v in spec.secret_env.items()} == {KEY_ENV: KEY}
-    visible = " ".join([*spec.argv, *spec.env.values(), *(f.content for f in spec.files), repr(spec),
-                        " ".join(spec.launcher_argv(pidfile="/p"))])
-    assert KEY not in visible
+    assert spec.env[KEY_ENV] == KEY and not hasattr(spec, "secret_env")
+    visible = " ".join([*spec.argv, *(f.content for f in spec.files), " ".join(spec.launcher_argv(pidfile="/p"))])
+    assert KEY not in visible and "--secret-header" not in visible
     assert config()["model_providers"][PROVIDER_ID]["env_key"] == KEY_ENV
 
 

@@ -55,14 +55,13 @@ def test_openai_shape() -> None:
     assert provider["baseUrl"] == "http://127.0.0.1:4000/v1" and provider["compat"]["supportsDeveloperRole"] is False
 
 
-def test_secret_only_in_secret_env() -> None:
+def test_the_placeholder_key_only_in_its_env_variable() -> None:
+    # SPEC 7: pi holds the sandbox's placeholder in its plain env; models.json reads it there
     launch = PiDriver().plan(PATHS, GW, Locator(id="01a2", path="/h/m1/.pi/agent/sessions/x.jsonl"))
     spec = launch.spec
-    assert spec.secret_env[KEY_ENV].get_secret_value() == SECRET
-    visible = json.dumps([spec.argv, spec.env, [f.content for f in spec.files],
-                          spec.launcher_argv(pidfile="/r/p")]) + repr(spec) + str(launch)
-    assert SECRET not in visible
-    assert json.loads(spec.secret_header_line()) == {KEY_ENV: SECRET}
+    assert spec.env[KEY_ENV] == SECRET and not hasattr(spec, "secret_env")
+    visible = json.dumps([spec.argv, [f.content for f in spec.files], spec.launcher_argv(pidfile="/r/p")])
+    assert SECRET not in visible and "--secret-header" not in visible
 
 
 def test_restored_plan_has_prechecks() -> None:

@@ -24,16 +24,20 @@ def fx():
         yield fixture
 
 
-def assert_hardened(attrs: dict, *, network: str, memory: int, pids: int, nano_cpus: int) -> None:
+def assert_hardened(attrs: dict, *, sockets: str, memory: int, pids: int, nano_cpus: int) -> None:
     host = attrs["HostConfig"]
     assert host["Privileged"] is False
     assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
     assert host["SecurityOpt"] == ["no-new-privileges"]
-    assert not host["Binds"] and attrs["Mounts"] == [] and not attrs["Config"].get("Volumes")
+    # the one mount: the sandbox's own model socket directory, read-only (SPEC 7)
+    assert host["Binds"] == [f"{sockets}:/run/cloud-agent/model:ro"]
+    assert attrs["Config"].get("Volumes") == {"/run/cloud-agent/model": {}}
+    assert [(m["Source"], m["Destination"], m["RW"]) for m in attrs["Mounts"]] == [
+        (sockets, "/run/cloud-agent/model", False)]
     assert not host["Devices"] and not host.get("DeviceRequests")
     assert host["PidMode"] == "" and host["UsernsMode"] == "" and host["IpcMode"] in ("private", "shareable")
     assert (host["Memory"], host["PidsLimit"], host["NanoCpus"]) == (memory, pids, nano_cpus)
-    assert host["NetworkMode"] == network
+    assert host["NetworkMode"] == "none" and list(attrs["NetworkSettings"]["Networks"]) == ["none"]
     assert host["Init"] is True
     assert attrs["Config"]["User"] == "agent"
     assert "docker.sock" not in json.dumps(attrs)
@@ -52,7 +56,8 @@ async def test_the_daemons_sandbox_is_hardened(fx, tmp_path, sandbox_image, dock
         receipt, events, _ = await d.run(Chat("codex").job("hello"))
         assert receipt["outcome"] == "succeeded", events
         container = docker_client.containers.get(receipt["sandbox"]["container_id"])
-        assert_hardened(container.attrs, network="host", memory=2 * 1024**3, pids=512,
+        sockets = str(d.daemon.supervisor.manager.socket_dir(receipt["user_id"], receipt["chat_id"]))
+        assert_hardened(container.attrs, sockets=sockets, memory=2 * 1024**3, pids=512,
                         nano_cpus=settings.nano_cpus)
         # inside: uid agent, no capabilities at all (bounding set empty), no-new-privileges
         assert container.exec_run(["id", "-u"], user="agent").output.strip() == b"1000"
@@ -68,26 +73,19 @@ async def test_the_daemons_sandbox_is_hardened(fx, tmp_path, sandbox_image, dock
         assert {uid for uid, _ in rows} == {"1000"}, rows
 
 
-@pytest.mark.parametrize("network", ["none", "named"])
-async def test_the_configured_network_is_the_sandbox_network(network, tmp_path, sandbox_image, docker_client) -> None:
-    name = network
-    created = None
-    if network == "named":
-        name = f"ca-test-net-{uuid.uuid4().hex[:8]}"
-        created = docker_client.networks.create(name, driver="bridge", internal=True)
+async def test_a_sandbox_of_the_manager_is_sealed(tmp_path, sandbox_image, docker_client) -> None:
+    # there is no network setting any more: every sandbox is network none with its socket dir
     engine = DockerEngine()
     manager = SandboxManager(engine, Store(tmp_path / "store.db"),
-                             SandboxConfig(image=sandbox_image, network=name,
+                             SandboxConfig(image=sandbox_image, socket_root=str(tmp_path / "s"),
                                            host_id=f"net-{uuid.uuid4().hex[:8]}"))
     sandbox = None
     try:
         sandbox = await manager.resolve("u-net", "c-net")
         attrs = docker_client.containers.get(sandbox.container_id).attrs
-        assert_hardened(attrs, network=name, memory=4 * 1024**3, pids=1024, nano_cpus=2_000_000_000)
-        assert list(attrs["NetworkSettings"]["Networks"]) == [name]
+        assert_hardened(attrs, sockets=str(manager.socket_dir("u-net", "c-net")), memory=4 * 1024**3, pids=1024,
+                        nano_cpus=2_000_000_000)
     finally:
         if sandbox is not None:
             docker_client.api.remove_container(sandbox.container_id, force=True)
-        if created is not None:
-            created.remove()
         engine.close()

@@ -1,9 +1,10 @@
 """The shared harness of the driver integration tests (tests/cli/test_{claude,codex,pi,bridge}_driver.py).
 
-Each test module runs one container of the pinned image (``--network host`` so the CLI
-reaches the in-process loopback fixture on 127.0.0.1, ``--init``, user ``agent`` = uid 1000)
-with a host directory bind-mounted at the same absolute path. Each test gets a ``box``: a
-fresh loopback fixture and a directory of its own under that root, where members live.
+Each test module runs one sealed container of the pinned image (network none, ``--init``,
+user ``agent`` = uid 1000; its command ``ca-modelgate``, tests/support/sealed.py) with a host
+directory bind-mounted at the same absolute path. Each test gets a ``box``: a fresh loopback
+fixture behind a model proxy on the container's socket (the CLI holds a placeholder, the proxy
+the box's ``key``) and a directory of its own under that root, where members live.
 CLIs start through ``ca-launch`` and ``docker exec -i``, so their paths are the host's.
 
 A test module subclasses :class:`DriverBox` as its ``Box`` (class attributes ``key``, ``api``,
@@ -30,6 +31,7 @@ from drivers.models import GatewayConfig, MemberPaths, Settlement
 from drivers.transport import Transport, unwrap
 from tests.support.local_process import LocalProcessTransport
 from tests.support.replay import Entry, RecordingTransport
+from tests.support.sealed import MODELGATE_COMMAND, sealed_proxy, sealed_volumes
 
 AGENT_UID = 1000  # the image's user ``agent``
 
@@ -148,9 +150,10 @@ def box_fixtures(tag: str, box_cls: type[DriverBox], *, image: str = "sandbox_im
 
     @pytest.fixture(scope="module", name="container")
     def container_fixture(docker_client, root, request):
-        volumes = {str(root): {"bind": str(root), "mode": "rw"}, **(mounts or {})}
-        c = docker_client.containers.run(request.getfixturevalue(image), ["sleep", "infinity"], detach=True,
-                                         init=True, network_mode="host", user="agent", volumes=volumes,
+        volumes = {str(root): {"bind": str(root), "mode": "rw"}, **sealed_volumes(root / ".model"),
+                   **(mounts or {})}
+        c = docker_client.containers.run(request.getfixturevalue(image), MODELGATE_COMMAND, detach=True,
+                                         init=True, network_mode="none", user="agent", volumes=volumes,
                                          labels={"cloud-agent.test": f"{tag}-driver"})
         yield c
         c.remove(force=True)
@@ -159,13 +162,15 @@ def box_fixtures(tag: str, box_cls: type[DriverBox], *, image: str = "sandbox_im
     async def box_fixture(container, root, request):
         name = request.node.name.replace("[", name_sep).replace("]", "")
         with LoopbackFixture.start(port=0) as fx:
-            b = box_cls(container, root / name, fx, name)
-            b.root.mkdir(parents=True)
-            try:
-                yield b
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await b.shutdown()
+            async with sealed_proxy(fx.base_url, root / ".model", key=box_cls.key) as gate:
+                b = box_cls(container, root / name, fx, name)
+                b.gateway = gate.gateway(model=b.model)
+                b.root.mkdir(parents=True)
+                try:
+                    yield b
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await b.shutdown()
 
     return root_fixture, container_fixture, box_fixture
 

@@ -1,8 +1,7 @@
 """The OpenCode/Kilo driver and its live bridge against the real pinned CLIs in the pinned image.
 
 Every test runs ``http-agent-live-bridge`` (which starts ``opencode serve`` / ``kilo serve``)
-in one container per module (``--network host`` to reach the in-process loopback fixture on
-127.0.0.1, ``--init``, user ``agent``) through ``ca-launch``, with member paths bind-mounted at
+in one container per module (sealed: network none, the model through its socket and a proxy in front of the in-process loopback fixture, ``--init``, user ``agent``) through ``ca-launch``, with member paths bind-mounted at
 the same absolute path. What the model saw is asserted on the fixture's recorded requests.
 Server starts are CPU-heavy (4-8 s each), so each test reuses one bridge for many cases.
 

@@ -1,7 +1,6 @@
 """The Claude driver against the real pinned Claude Code 2.1.220 inside the pinned image.
 
-Every test runs ``claude -p`` stream-json in a container (``--network host`` so it reaches
-the in-process loopback fixture on 127.0.0.1, user ``agent`` = uid 1000) through
+Every test runs ``claude -p`` stream-json in a container (sealed: network none, the model through its socket and a proxy in front of the in-process loopback fixture, user ``agent`` = uid 1000) through
 ``ca-launch`` and ``docker exec -i``, with member paths bind-mounted at the same absolute
 path. What the model saw is asserted on the fixture's recorded requests.
 

@@ -1,7 +1,6 @@
 """The Codex driver against the real pinned codex 0.171.0 inside the pinned image.
 
-Every test drives ``codex-native app-server`` in a container (``--network host`` so it
-reaches the in-process loopback fixture on 127.0.0.1) through ``ca-launch``, with member
+Every test drives ``codex-native app-server`` in a container (sealed: network none, the model through its socket and a proxy in front of the in-process loopback fixture) through ``ca-launch``, with member
 paths bind-mounted at the same absolute path. What the model saw is asserted on the
 fixture's recorded requests.
 

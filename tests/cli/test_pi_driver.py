@@ -1,7 +1,6 @@
 """The Pi driver against the real pinned pi 0.73.1 inside the pinned image.
 
-Every test drives ``pi --mode rpc`` in a container (``--network host`` so it reaches the
-in-process loopback fixture on 127.0.0.1) through ``ca-launch``, with member paths
+Every test drives ``pi --mode rpc`` in a container (sealed: network none, the model through its socket and a proxy in front of the in-process loopback fixture) through ``ca-launch``, with member paths
 bind-mounted at the same absolute path. What the model saw is asserted on the fixture's
 recorded requests (Anthropic Messages: the driver's API shape).
 """

@@ -1,0 +1,65 @@
+"""Sealed test containers: what the product does for a sandbox, for tests that run a CLI in a
+container of their own (driver suites, harnesses, benchmarks).
+
+The container has no network (``network_mode="none"``, SPEC 7: never host networking, not in
+tests either); its command is ``ca-modelgate``, which forwards 127.0.0.1:18080 inside it to a
+unix socket in a host directory mounted read-only. A :class:`proxy.ProxyHost` in the test
+process listens on that socket and forwards to the test's loopback fixture with the real key;
+the CLI is configured with ``gateway(...)``: the member prefix and the placeholder key.
+
+    volumes = {**sealed_volumes(socket_dir), ...}
+    c = docker_client.containers.run(image, MODELGATE_COMMAND, network_mode="none", volumes=volumes, ...)
+    async with sealed_proxy(fx.base_url, socket_dir, key="sk-test") as gate:
+        gateway = gate.gateway(model="fixture-model")
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from drivers.models import GatewayConfig
+from proxy import ProxyConfig, ProxyHost, member_base_url, placeholder_key
+from sandbox_manager.sandboxes import MODEL_DIR, MODEL_GATE_COMMAND, MODEL_PORT
+
+MODELGATE_COMMAND = list(MODEL_GATE_COMMAND)
+CHAT_KEY = "test-sandbox"
+
+
+def sealed_volumes(socket_dir: Path) -> dict[str, dict[str, str]]:
+    socket_dir.mkdir(parents=True, exist_ok=True)
+    socket_dir.chmod(0o755)
+    return {str(socket_dir): {"bind": MODEL_DIR, "mode": "ro"}}
+
+
+def docker_run_args(socket_dir: Path) -> list[str]:
+    """``docker run`` flags of a sealed container (put the image, then MODELGATE_COMMAND, after)."""
+    sealed_volumes(socket_dir)
+    return ["--network", "none", "-v", f"{socket_dir}:{MODEL_DIR}:ro"]
+
+
+@dataclass
+class SealedGate:
+    host: ProxyHost
+    chat_key: str
+
+    def gateway(self, *, model: str, member: str = "m1") -> GatewayConfig:
+        return GatewayConfig(base_url=member_base_url(MODEL_PORT, member), key=SecretStr(placeholder_key(self.chat_key)),
+                             model=model)
+
+
+@asynccontextmanager
+async def sealed_proxy(upstream_url: str, socket_dir: Path, *, key: str,
+                       chat_key: str = CHAT_KEY) -> AsyncIterator[SealedGate]:
+    """A model proxy on ``socket_dir/model.sock`` in front of ``upstream_url`` holding ``key``."""
+    with tempfile.TemporaryDirectory(prefix="ca-key-") as tmp:
+        key_file = Path(tmp) / "key"
+        key_file.write_text(key + "\n")
+        async with ProxyHost(ProxyConfig(upstream_url=upstream_url, key_file=key_file)) as host:
+            await host.open_sandbox(chat_key, socket_dir, user_id="test-user")
+            yield SealedGate(host, chat_key)

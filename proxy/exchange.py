@@ -33,6 +33,9 @@ from .upstream import Upstream, UpstreamBrokeOff, UpstreamError, UpstreamRespons
 log = structlog.get_logger("proxy")
 
 TurnLookup = Callable[[str, str], "str | None"]  # (chat_key, member_key) -> running job id
+# Test seam only (route name, body) -> body: stands in for a CLI that sent a changed history.
+# The daemon's configuration has no way to set it (runner.turn.TestHooks).
+Rewrite = Callable[[str, bytes], bytes]
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                         "upgrade", "proxy-authenticate"})
@@ -53,6 +56,7 @@ class ProxyContext:
     sink: WireSink | None = None
     turn_of: TurnLookup | None = None
     capture: bool = False
+    rewrite: Rewrite | None = None
     _seq: int = 0
 
     def next_seq(self) -> int:
@@ -196,9 +200,13 @@ class Exchange:
             return await self._reject(d, 408, "body_timeout", str(exc))
         except MalformedBody as exc:
             return await self._reject(d, 400, "bad_request", str(exc))
-        d.bytes_in = len(body)
         raw = bytes(body)
+        if self.ctx.rewrite is not None:
+            raw = self.ctx.rewrite(route.name, raw)
+        d.bytes_in = len(raw)
         headers = upstream_headers(req.headers, route, key)
+        if self.ctx.rewrite is not None:
+            headers = [(n, v) for n, v in headers if n != "content-length"]
         if raw and not any(name == "content-length" for name, _ in headers):
             headers.append(("content-length", str(len(raw))))  # a chunked body goes up with its length
         target = route.path + (f"?{query}" if query else "")

@@ -26,7 +26,7 @@ import structlog
 from anyio.abc import TaskGroup
 
 from .config import ProxyConfig
-from .exchange import Exchange, ProxyContext, TurnLookup
+from .exchange import Exchange, ProxyContext, Rewrite, TurnLookup
 from .http1 import ClientConnection
 from .keys import KeySource
 from .metrics import ProxyMetrics
@@ -66,11 +66,12 @@ class _Sandbox:
 class ProxyHost:
     def __init__(self, config: ProxyConfig, *, sink: WireSink | None = None, turn_of: TurnLookup | None = None,
                  keys: KeySource | None = None, metrics: ProxyMetrics | None = None,
-                 connector: Connector | None = None) -> None:
+                 connector: Connector | None = None, rewrite: Rewrite | None = None) -> None:
         self.config = config
         self.metrics = metrics or ProxyMetrics()
         self._keys = keys or config.key_source()
         self._sink, self._turn_of, self._connector = sink, turn_of, connector
+        self._rewrite = rewrite  # test seam only (see exchange.Rewrite)
         self._sandboxes: dict[str, _Sandbox] = {}
         self._tg: TaskGroup | None = None
         self._ctx: ProxyContext | None = None
@@ -85,7 +86,7 @@ class ProxyHost:
             connect_s=cfg.upstream_connect_timeout_s, read_s=cfg.upstream_read_timeout_s,
             write_s=cfg.upstream_write_timeout_s))
         self._ctx = ProxyContext(upstream=self._upstream, keys=self._keys, metrics=self.metrics, sink=self._sink,
-                                 turn_of=self._turn_of, capture=cfg.capture)
+                                 turn_of=self._turn_of, capture=cfg.capture, rewrite=self._rewrite)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         return self

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -89,13 +89,14 @@ class LedgerSink:
 
 class ModelPath:
     def __init__(self, settings: Settings, gateway_url: str, store: StoreContract, manager: SandboxManager, *,
-                 config: ProxyConfig | None = None) -> None:
+                 config: ProxyConfig | None = None, rewrite: Callable[[str, bytes], bytes] | None = None) -> None:
         self.settings, self.store, self.manager = settings, store, manager
         self.config = config or proxy_config(settings, gateway_url)
         self.chats: dict[str, _Chat] = {}  # chat_key -> ids (registered when its socket opens)
         self.members: dict[tuple[str, str], str] = {}  # (chat_key, member_key) -> member_id
         self.jobs: dict[tuple[str, str], str] = {}  # (chat_key, member_key) -> running job id
         self.host: ProxyHost | None = None
+        self.rewrite = rewrite  # test seam only (runner.turn.TestHooks.rewrite_model_request)
         self.proxy_metrics = ProxyMetrics()  # proxy requests by route and status, wire verdicts (SPEC 11)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -103,7 +104,7 @@ class ModelPath:
     @asynccontextmanager
     async def running(self) -> AsyncIterator[ModelPath]:
         async with ProxyHost(self.config, sink=LedgerSink(self.store, self), turn_of=self.turn_of,
-                             metrics=self.proxy_metrics) as host:
+                             metrics=self.proxy_metrics, rewrite=self.rewrite) as host:
             self.host = host
             try:
                 await self._reopen()

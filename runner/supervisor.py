@@ -82,7 +82,7 @@ class Supervisor:
         self.owner = uuid.uuid4().hex
         self.pool = ResidentPool()
         self.hooks = hooks or TestHooks()
-        self.model_path = ModelPath(settings, gateway_url, store, manager)
+        self.model_path = ModelPath(settings, gateway_url, store, manager, rewrite=self.hooks.rewrite_model_request)
         self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, model_path=self.model_path,
                                  models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,

@@ -54,6 +54,8 @@ class TestHooks:
     wrap_transport: Callable[[Transport, str], Transport] | None = None
     disable_retire_after: bool = False
     lease_paused: Callable[[], bool] | None = None  # a fleet host's heartbeat pauses while True
+    # the model proxy rewrites a request body before auditing and forwarding it (route name, body)
+    rewrite_model_request: Callable[[str, bytes], bytes] | None = None
 
 
 def to_locator(saved: SavedLocator | None) -> Locator | None:

@@ -95,8 +95,7 @@ async def bench_cli(turns: int) -> None:
 
     import docker
 
-    from deploy.loopback import LoopbackFixture
-    from drivers.models import GatewayConfig, MemberPaths, Settlement
+    from drivers.models import MemberPaths, Settlement
     from tests.support.local_process import LocalProcessTransport
     from images.build import ensure_image
 
@@ -104,12 +103,15 @@ async def bench_cli(turns: int) -> None:
     root = Path(tempfile.mkdtemp(prefix="ca-claude-bench-", dir="/var/tmp"))
     root.chmod(0o755)
     client = docker.from_env()
-    container = client.containers.run(image, ["sleep", "infinity"], detach=True, init=True, network_mode="host",
-                                      user="agent", volumes={str(root): {"bind": str(root), "mode": "rw"}},
+    from tests.support.sealed import MODELGATE_COMMAND, sealed_fixture, sealed_volumes
+
+    container = client.containers.run(image, MODELGATE_COMMAND, detach=True, init=True, network_mode="none",
+                                      user="agent", volumes={str(root): {"bind": str(root), "mode": "rw"},
+                                                             **sealed_volumes(root / ".model")},
                                       labels={"cloud-agent.test": "claude-bench"})
     try:
-        with LoopbackFixture.start(port=0) as fx:
-            gw = GatewayConfig(base_url=fx.base_url, key="sk-bench", model="fixture-model")
+        async with sealed_fixture(root / ".model", "sk-bench-key") as (fx, gate):
+            gw = gate.gateway(model="fixture-model")
             default = ClaudeSettings().persist_grace_s
             for label, grace in ((f"persist_grace_s={default:g} (default)", default), ("persist_grace_s=0", 0.0)):
                 driver = ClaudeDriver(ClaudeSettings(persist_grace_s=grace))

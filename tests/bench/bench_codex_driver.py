@@ -137,7 +137,6 @@ async def real_latency(turns: int) -> None:
     import docker
 
     from deploy.engine import EngineConfig
-    from deploy.loopback import LoopbackFixture
     from images.build import ensure_image
     from tests.cli.test_codex_driver import Box
 
@@ -146,11 +145,15 @@ async def real_latency(turns: int) -> None:
     import tempfile
     root = Path(tempfile.mkdtemp(prefix="ca-codex-bench-", dir="/var/tmp"))
     root.chmod(0o755)
-    c = client.containers.run(ensure_image(), ["sleep", "infinity"], detach=True, init=True, network_mode="host",
-                              user="agent", volumes={str(root): {"bind": str(root), "mode": "rw"}})
+    from tests.support.sealed import MODELGATE_COMMAND, sealed_fixture, sealed_volumes
+
+    c = client.containers.run(ensure_image(), MODELGATE_COMMAND, detach=True, init=True, network_mode="none",
+                              user="agent", volumes={str(root): {"bind": str(root), "mode": "rw"},
+                                                     **sealed_volumes(root / ".model")})
     try:
-        with LoopbackFixture.start(port=0) as fx:
-            box = Box(c, root / "bench", fx)
+        async with sealed_fixture(root / ".model", Box.key) as (fx, gate):
+            box = Box(c, root / "bench", fx, "bench")
+            box.gateway = gate.gateway(model=box.model)
             box.root.mkdir()
             log: list[Entry] = []
             t_start = time.perf_counter()

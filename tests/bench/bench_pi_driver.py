@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from deploy.loopback.server import LoopbackFixture  # noqa: E402
 from drivers.base import parse_json_line  # noqa: E402
 from drivers.models import GatewayConfig, MemberPaths, Settlement  # noqa: E402
 from drivers.pi import PiDriver, PiSession, PiSettings  # noqa: E402
@@ -74,14 +73,16 @@ async def settlement_latency(turns: int, docker: str | None) -> None:
     paths = MemberPaths(home=str(tmp / "home"), workspace=str(tmp / "ws"), run_dir=str(tmp / "run"))
     container = None
     try:
-        with LoopbackFixture.start() as fx:
+        from tests.support.sealed import MODELGATE_COMMAND, docker_run_args, sealed_fixture
+
+        async with sealed_fixture(tmp / ".model", "sk-bench-key") as (fx, gate):
             if docker:
                 container = subprocess.run(
-                    ["docker", "run", "-d", "--rm", "--init", "--network", "host", "--user", "agent",
-                     "-v", f"{tmp}:{tmp}", docker, "sleep", "infinity"],
+                    ["docker", "run", "-d", "--rm", "--init", *docker_run_args(tmp / ".model"), "--user", "agent",
+                     "-v", f"{tmp}:{tmp}", docker, *MODELGATE_COMMAND],
                     check=True, capture_output=True, text=True).stdout.strip()
                 driver = PiDriver(PiSettings())
-                launch = driver.plan(paths, GatewayConfig(base_url=fx.base_url, key="sk-bench", model="m"), None)
+                launch = driver.plan(paths, gate.gateway(model="m"), None)
                 launch.spec.materialize_files_locally()
                 subprocess.run(["chown", "-R", "1000:1000", str(tmp)], check=True)
                 inner = await LocalProcessTransport.start(

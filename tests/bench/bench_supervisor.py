@@ -26,7 +26,6 @@ import docker
 
 from deploy.loopback import LoopbackFixture
 from drivers.codex import CodexDriver
-from drivers.models import GatewayConfig
 from images.build import ensure_image
 from runner.processes import member_paths
 from sandbox_manager.engine import FileEntry
@@ -106,8 +105,8 @@ async def main(n: int) -> None:
                 assert r["context_status"] == "LIVE", r
             sb = await sup.manager.resolve(user, chat)
             dirs = sup.manager.member_dirs("bare")
-            launch = CodexDriver().plan(member_paths(dirs), GatewayConfig(base_url=fx.base_url, key="k",
-                                                                          model="bench"), None)
+            # the bare CLI goes through the sandbox's own model socket too (sealed: nothing else answers)
+            launch = CodexDriver().plan(member_paths(dirs), sup.model_path.gateway(user, chat, "bare", "bench"), None)
             await sup.manager.prepare_files(sb, [FileEntry(f.path, f.content.encode(), f.mode)
                                                  for f in launch.spec.files], [], [dirs.home, dirs.run_dir])
             env = dict(launch.spec.env)
@@ -150,7 +149,7 @@ async def main(n: int) -> None:
                 create_mgr.append((time.perf_counter() - t) * 1000)
                 client.api.remove_container(s.container_id, force=True)
                 t = time.perf_counter()
-                c = client.containers.create(image, command=["sleep", "infinity"], init=True, network_mode="host",
+                c = client.containers.create(image, command=["sleep", "infinity"], init=True, network_mode="none",
                                              user="agent")
                 c.start()
                 create_raw.append((time.perf_counter() - t) * 1000)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
+from deploy.loopback import LoopbackFixture
 from drivers.models import GatewayConfig
 from proxy import ProxyConfig, ProxyHost, member_base_url, placeholder_key
 from sandbox_manager.sandboxes import MODEL_DIR, MODEL_GATE_COMMAND, MODEL_PORT
@@ -63,3 +64,11 @@ async def sealed_proxy(upstream_url: str, socket_dir: Path, *, key: str,
         async with ProxyHost(ProxyConfig(upstream_url=upstream_url, key_file=key_file)) as host:
             await host.open_sandbox(chat_key, socket_dir, user_id="test-user")
             yield SealedGate(host, chat_key)
+
+
+@asynccontextmanager
+async def sealed_fixture(socket_dir: Path, key: str) -> AsyncIterator[tuple[LoopbackFixture, SealedGate]]:
+    """A loopback fixture and a model proxy in front of it on ``socket_dir/model.sock``."""
+    with LoopbackFixture.start(port=0) as fx:
+        async with sealed_proxy(fx.base_url, socket_dir, key=key) as gate:
+            yield fx, gate

@@ -2,8 +2,9 @@
 loopback fixture. A test harness, not the product drivers (those live in drivers/): it uses
 the minimal command lines of shared/protocols/ and only what the history tests need.
 
-Each CLI runs in its own container (``--network host`` so it reaches the host's 127.0.0.1,
-``--init`` so killed CLIs are reaped, user ``agent``) through ``docker exec -i``. The command
+Each CLI runs in its own sealed container (network none: the model through its socket and a
+model proxy in front of the fixture, tests/support/sealed.py; ``--init`` so killed CLIs are
+reaped, user ``agent``) through ``docker exec -i``; OpenCode/Kilo's REST calls run inside it. The command
 is wrapped in ``setsid sh -c 'echo $$; exec …'``: the first stdout line is the CLI's pid, which
 is also its process group, so "kill the CLI" kills exactly that group inside the container
 (closing a ``docker exec`` client does not end the process inside).
@@ -13,30 +14,61 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import httpx
-
 from deploy.loopback import LoopbackFixture
+from tests.support.sealed import MODELGATE_COMMAND, ThreadedProxy, docker_run_args
 
 HOME = "/home/agent"
 WORK = f"{HOME}/workspace"
 TURN_TIMEOUT = 60.0
 
 
-class Container:
-    """A throwaway container of the sandbox image; removed on exit."""
+# An HTTP request made inside the container (its loopback is its own): stdin one JSON object
+# {method, url, body, timeout}; stdout the status line, then the body.
+HTTP_IN_SANDBOX = r"""
+import http.client, json, sys, urllib.parse
+req = json.load(sys.stdin)
+u = urllib.parse.urlsplit(req["url"])
+c = http.client.HTTPConnection(u.hostname, u.port, timeout=req["timeout"])
+body = None if req["body"] is None else json.dumps(req["body"])
+c.request(req["method"], u.path + (f"?{u.query}" if u.query else ""), body=body,
+          headers={"content-type": "application/json"} if body is not None else {})
+r = c.getresponse()
+sys.stdout.write(f"{r.status}\n")
+sys.stdout.write(r.read().decode())
+"""
 
-    def __init__(self, image: str) -> None:
+
+class Container:
+    """A throwaway sealed container of the sandbox image (and its model proxy); removed on exit."""
+
+    def __init__(self, image: str, fx: LoopbackFixture) -> None:
         self.name = f"loopback-test-{uuid.uuid4().hex[:10]}"
-        subprocess.run(["docker", "run", "-d", "--rm", "--init", "--network", "host", "--user", "agent",
-                        "--name", self.name, "-w", WORK, image, "sleep", "infinity"],
+        self._sockets = Path(tempfile.mkdtemp(prefix="ca-lb-"))
+        self._proxy = ThreadedProxy(fx.base_url, self._sockets, key="sk-loopback-harness")
+        gate = self._proxy.__enter__()
+        self.base_url = gate.gateway(model="fake-model").base_url
+        self.openai_base_url = self.base_url + "/v1"
+        subprocess.run(["docker", "run", "-d", "--rm", "--init", *docker_run_args(self._sockets), "--user", "agent",
+                        "--name", self.name, "-w", WORK, image, *MODELGATE_COMMAND],
                        check=True, capture_output=True, timeout=60)
+
+    def http(self, method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
+        req = json.dumps({"method": method, "url": url, "body": body, "timeout": timeout})
+        out = subprocess.run(["docker", "exec", "-i", "-u", "agent", self.name, "python3", "-c", HTTP_IN_SANDBOX],
+                             input=req.encode(), capture_output=True, timeout=timeout + 30)
+        assert out.returncode == 0, out.stderr.decode()
+        status, _, text = out.stdout.decode().partition("\n")
+        return int(status), json.loads(text) if text.strip() else None
 
     def write(self, path: str, text: str) -> None:
         subprocess.run(["docker", "exec", "-i", self.name, "sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1"',
@@ -51,6 +83,8 @@ class Container:
 
     def close(self) -> None:
         subprocess.run(["docker", "rm", "-f", self.name], capture_output=True, timeout=60)
+        self._proxy.__exit__(None, None, None)
+        shutil.rmtree(self._sockets, ignore_errors=True)
 
     def __enter__(self) -> Container:
         return self
@@ -155,7 +189,7 @@ class Claude(Cli):
                 "--model", "fake-model"]
         if resume:
             argv += ["--resume", str(self.locator)]
-        self.proc = self.box.spawn(argv, {**self.ENV, "ANTHROPIC_BASE_URL": self.fx.base_url})
+        self.proc = self.box.spawn(argv, {**self.ENV, "ANTHROPIC_BASE_URL": self.box.base_url})
 
     def turn(self, text: str) -> str:
         assert self.proc
@@ -185,7 +219,7 @@ plugins = false
 enabled = false
 [model_providers.fake]
 name = "Fake loopback"
-base_url = "{self.fx.openai_base_url}"
+base_url = "{self.box.openai_base_url}"
 wire_api = "responses"
 env_key = "FAKE_API_KEY"
 request_max_retries = 1
@@ -229,7 +263,7 @@ class Pi(Cli):
 
     def start(self, resume: bool = False) -> None:
         models = {"providers": {"fake": {
-            "baseUrl": self.fx.openai_base_url, "api": "openai-completions", "apiKey": "fake-key",
+            "baseUrl": self.box.openai_base_url, "api": "openai-completions", "apiKey": "fake-key",
             "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
             "models": [{"id": "fake-model", "contextWindow": 128000, "maxTokens": 4096}]}}}
         settings = {"defaultProvider": "fake", "defaultModel": "fake-model", "enableInstallTelemetry": False,
@@ -265,7 +299,7 @@ class Pi(Cli):
 
 
 class Serve(Cli):
-    """OpenCode / Kilo: ``serve`` on an ephemeral port, REST from the host (shared network)."""
+    """OpenCode / Kilo: ``serve`` on an ephemeral port of the container, REST made inside it."""
 
     def __init__(self, box: Container, fx: LoopbackFixture, name: str) -> None:
         super().__init__(box, fx)
@@ -278,7 +312,7 @@ class Serve(Cli):
                   "small_model": "fake/fake-model", "autoupdate": False, "share": "disabled",
                   "enabled_providers": ["fake"], "provider": {"fake": {
                       "npm": "@ai-sdk/openai-compatible", "name": "Fake loopback",
-                      "options": {"baseURL": self.fx.openai_base_url, "apiKey": "sk-fake"},
+                      "options": {"baseURL": self.box.openai_base_url, "apiKey": "sk-fake"},
                       "models": {"fake-model": {"name": "Fake Model", "tool_call": True,
                                                 "limit": {"context": 100000, "output": 4096}}}}}}
         env = {"HOME": HOME, "XDG_CONFIG_HOME": f"{HOME}/.config", "XDG_DATA_HOME": f"{HOME}/.local/share",
@@ -301,16 +335,17 @@ class Serve(Cli):
             line = self.proc.readline(60)
         self.url = line.strip().rsplit(" ", 1)[-1]
         if resume:
-            resp = httpx.get(f"{self.url}/session/{self.locator}", timeout=30)
-            assert resp.status_code == 200 and resp.json()["id"] == self.locator, resp.text
+            status, doc = self.box.http("GET", f"{self.url}/session/{self.locator}")
+            assert status == 200 and doc["id"] == self.locator, (status, doc)
         else:
-            self.locator = httpx.post(f"{self.url}/session", json={}, timeout=30).json()["id"]
+            status, doc = self.box.http("POST", f"{self.url}/session", {})
+            assert status == 200, (status, doc)
+            self.locator = doc["id"]
 
     def turn(self, text: str) -> str:
-        resp = httpx.post(f"{self.url}/session/{self.locator}/message",
-                          json={"parts": [{"type": "text", "text": text}]}, timeout=TURN_TIMEOUT)
-        resp.raise_for_status()
-        out = resp.json()
+        status, out = self.box.http("POST", f"{self.url}/session/{self.locator}/message",
+                                    {"parts": [{"type": "text", "text": text}]}, timeout=TURN_TIMEOUT)
+        assert status == 200, (status, out)
         assert not out["info"].get("error"), out["info"]
         return "".join(p.get("text", "") for p in out["parts"] if p.get("type") == "text" and not p.get("synthetic"))
 

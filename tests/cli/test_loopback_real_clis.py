@@ -26,7 +26,7 @@ def test_history_through_live_followup_and_restore(runtime: str, sandbox_image: 
     U, A = Message.user, Message.assistant
     a1, a2, a3 = (expected_default_reply([U1]), expected_default_reply([U1, U2]),
                   expected_default_reply([U1, U2, U3]))
-    with LoopbackFixture.start(record_path=str(tmp_path / f"{runtime}.jsonl")) as fx, Container(sandbox_image) as box:
+    with LoopbackFixture.start(record_path=str(tmp_path / f"{runtime}.jsonl")) as fx, Container(sandbox_image, fx) as box:
         cli = make_cli(runtime, box, fx)
         cli.start()
         try:

@@ -15,7 +15,9 @@ the CLI is configured with ``gateway(...)``: the member prefix and the placehold
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -72,3 +74,45 @@ async def sealed_fixture(socket_dir: Path, key: str) -> AsyncIterator[tuple[Loop
     with LoopbackFixture.start(port=0) as fx:
         async with sealed_proxy(fx.base_url, socket_dir, key=key) as gate:
             yield fx, gate
+
+
+class ThreadedProxy:
+    """``sealed_proxy`` on an event loop of its own thread, for synchronous harnesses:
+    ``with ThreadedProxy(fx.base_url, socket_dir, key=...) as gate: ...``."""
+
+    def __init__(self, upstream_url: str, socket_dir: Path, *, key: str) -> None:
+        self.args = (upstream_url, socket_dir, key)
+        self.gate: SealedGate | None = None
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="sealed-proxy", daemon=True)
+
+    def _run(self) -> None:
+        async def serve() -> None:
+            upstream, socket_dir, key = self.args
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            async with sealed_proxy(upstream, socket_dir, key=key) as gate:
+                self.gate = gate
+                self._ready.set()
+                await self._stop.wait()
+
+        try:
+            asyncio.run(serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to the starter
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def __enter__(self) -> SealedGate:
+        self._thread.start()
+        self._ready.wait(30)
+        if self.gate is None:
+            raise RuntimeError(f"the model proxy did not start: {self._error!r}")
+        return self.gate
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)

@@ -11,8 +11,11 @@ Before the exec stream conformed to the transport contract, its ``ExecStreamClos
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -20,7 +23,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture, reply
 from drivers.base import NativeSession
-from drivers.models import GatewayConfig, HandshakeFailed, HandshakeReason, NotSettled, NotSettledReason
+from drivers.models import HandshakeFailed, HandshakeReason, NotSettled, NotSettledReason
 from drivers.registry import get_driver
 from images.identity import carries_bridge
 from images.pins import load_pins
@@ -29,6 +32,7 @@ from runner.transport import exec_transport
 from sandbox_manager.engine import DockerEngine
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
 from state.store import Store
+from tests.support.sealed import sealed_proxy
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -44,20 +48,28 @@ async def manager(tmp_path, sandbox_image, docker_client) -> AsyncIterator[Sandb
     engine = DockerEngine()
     store = Store(tmp_path / "store.db")
     host = f"exec-transport-{uuid.uuid4().hex[:8]}"
-    mgr = SandboxManager(engine, store, SandboxConfig(image=sandbox_image, network="host", host_id=host,
+    sockets = tempfile.mkdtemp(prefix="ca-xt-")  # short: a unix socket path has 107 bytes
+    mgr = SandboxManager(engine, store, SandboxConfig(image=sandbox_image, socket_root=sockets, host_id=host,
                                                       require_helper=carries_bridge(load_pins())))
-    yield mgr
+    async with AsyncExitStack() as stack:
+        mgr._test_stack = stack  # type: ignore[attr-defined] - the sandboxes' model proxies
+        yield mgr
     for row in docker_client.api.containers(all=True, filters={"label": f"org.cloud-agent.host-id={host}"}):
         docker_client.api.remove_container(row["Id"], force=True)
+    shutil.rmtree(sockets, ignore_errors=True)
     store.close()
     engine.close()
 
 
 async def start(manager: SandboxManager, fx: LoopbackFixture, runtime: str, max_line: int) -> tuple[NativeSession, Any]:
-    sandbox = await manager.resolve(f"user-{uuid.uuid4().hex[:8]}", f"chat-{uuid.uuid4().hex[:8]}")
+    user, chat = f"user-{uuid.uuid4().hex[:8]}", f"chat-{uuid.uuid4().hex[:8]}"
+    # sealed: the sandbox reaches the fixture only through a model proxy on its own socket
+    gate = await manager._test_stack.enter_async_context(  # type: ignore[attr-defined]
+        sealed_proxy(fx.base_url, manager.socket_dir(user, chat), key="exec-transport-test-key"))
+    sandbox = await manager.resolve(user, chat)
     driver = get_driver(runtime)
     dirs = manager.member_dirs("m1")
-    gateway = GatewayConfig(base_url=fx.base_url, key="exec-transport-test-key", model=f"fixture-{runtime}")
+    gateway = gate.gateway(model=f"fixture-{runtime}")
     launch = driver.plan(member_paths(dirs), gateway, None)
     proc = await start_in_sandbox(manager, sandbox, dirs, launch)
     proc.stream.max_line = max_line

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from deploy.engine import EngineConfig, EngineSetupError, ping, start_dockerd
-from tests.daemon_harness import TOKEN, DaemonProcess, free_port, serve_process
+from tests.daemon_harness import TOKEN, DaemonProcess, free_port, serve_process, test_socket_dir
 
 CACHE = Path(os.environ.get("CLOUD_AGENT_FLEET_CACHE", "/var/tmp/cloud-agent-fleet"))
 DEFAULT_ENGINE = f"unix://{EngineConfig.from_env().socket_path}"
@@ -205,7 +205,7 @@ def fleet_hosts(engines_: list[Engine], *, store_url: str, gateway_url: str, ima
             host_id = f"fleet-{os.getpid()}-{i}"
             env = dict(os.environ, CLOUD_AGENT_HOME=str(home), CLOUD_AGENT_GATEWAY_URL=gateway_url,
                        CLOUD_AGENT_IMAGE=image, CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"),
-                       CLOUD_AGENT_SANDBOX_NETWORK="host", CLOUD_AGENT_HOST_ID=host_id,
+                       CLOUD_AGENT_SOCKET_DIR=test_socket_dir(home), CLOUD_AGENT_HOST_ID=host_id,
                        CLOUD_AGENT_LISTEN_PORT=str(port), CLOUD_AGENT_DOCKER_URL=eng.url,
                        CLOUD_AGENT_STORE_URL=store_url, CLOUD_AGENT_LEASE_TTL_S=str(lease_ttl_s),
                        CLOUD_AGENT_HOST_CAPACITY=str((capacities or [100] * len(engines_))[i]),

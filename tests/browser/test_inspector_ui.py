@@ -3,12 +3,10 @@ against the loopback fixture; Debian's headless Chromium reads the operator page
 `cloud-agent inspect` diagnoses the same turns.
 
 Scenarios are data: each one drives a chat and states the rows its timeline must show and
-the conclusion `inspect` must reach per turn. The wire-gap case (the proxy's test seam
-dropping a message) is one more entry in SCENARIOS once that seam exists:
-    Scenario("gap", "codex", drive=<a NEW turn, then a turn with the seam dropping message 1>,
-             rows=[("NEW", "succeeded", None), ("LIVE", "succeeded", None)],
-             conclusions=[NEW_CONCLUSION, "wire gap at message 1 (assistant): the model was not sent its history"])
-and the page test then checks its first-difference cell like test_render does.
+the conclusion `inspect` must reach per turn. The wire-gap case is a real one: the member's
+native transcript is edited between two turns (the daemon is a subprocess, so the proxy's
+test seam of tests/regression/test_wire_gap.py cannot be used here), and the RESTORED turn's
+request carries the changed first message; the page then shows its first-difference cell.
 """
 
 from __future__ import annotations
@@ -82,6 +80,20 @@ def resident(chat: Chat, docker_client: Any) -> None:
     chat.turn("a bystander chat that keeps its resident")
 
 
+GAP_FIRST, GAP_CHANGED = "remember the word heron", "remember the word crow!"
+
+
+def gap(chat: Chat, docker_client: Any) -> None:
+    """NEW; the member retired and its Codex rollout edited (the first message changed); RESTORED."""
+    chat.turn(GAP_FIRST)
+    chat.retire()
+    container = docker_client.containers.get(chat.receipts[-1]["sandbox"]["container_id"])
+    edit = ('for f in $(find /home/agent/members -name "rollout-*.jsonl"); do '
+            f'sed -i "s/{GAP_FIRST}/{GAP_CHANGED}/g" "$f"; done')
+    assert container.exec_run(["sh", "-c", edit], user="agent").exit_code == 0
+    chat.turn("which word did I ask you to remember?")
+
+
 def settled_conclusion(receipt: dict[str, Any]) -> str:
     """Before the wire verdict exists the diagnosis says it is unverified; with it, complete."""
     if receipt.get("wire"):
@@ -107,6 +119,9 @@ SCENARIOS = [
                                      LOST_CONCLUSION]),
     Scenario("resident", "codex", resident, rows=[("NEW", "succeeded", None)],
              conclusions=lambda rs: [NEW_CONCLUSION]),
+    Scenario("gap", "codex", gap, rows=[("NEW", "succeeded", None), ("RESTORED", "succeeded", None)],
+             conclusions=lambda rs: [NEW_CONCLUSION, "wire gap at message 0 (user): the model was not sent its "
+                                                     "history"]),
 ]
 
 
@@ -190,6 +205,25 @@ def test_the_timeline_shows_the_turns_in_order_with_badges_and_reasons(browser, 
                              f"{wire['history']} · {wire['requests']} request(s), {wire['side_requests']} side")
     title = browser.find_element("id", "timeline-title").text
     assert title == f"Timeline · {len(scenario.rows)} turn{'s' if len(scenario.rows) > 1 else ''}"
+    assert console_errors(browser) == []
+
+
+def test_the_gap_row_names_the_first_difference(browser, host) -> None:
+    import hashlib
+
+    chat = host.chats["gap"]
+    diff = chat.receipts[1]["wire"]["first_difference"]
+    assert diff == {"index": 0, "role": "user", "expected_digest": hashlib.sha256(GAP_FIRST.encode()).hexdigest(),
+                    "observed_digest": hashlib.sha256(GAP_CHANGED.encode()).hexdigest()}
+    open_chat(browser, host.url, chat)
+    browser.find_element("css selector", "#turn-2 button.diagnose").click()
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements("css selector", "#turn-2 .conclusion"))
+    assert browser.find_element("css selector", "#turn-2 .conclusion").text == (
+        "Conclusion: wire gap at message 0 (user): the model was not sent its history")
+    page = browser.find_element("css selector", "#turn-2").text
+    assert diff["expected_digest"][:12] in page and diff["observed_digest"][:12] in page, page
     assert console_errors(browser) == []
 
 

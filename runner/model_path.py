@@ -176,6 +176,7 @@ class ModelPath:
         if self.host is not None:
             await self.host.flush(self.chat_key(receipt.user_id, receipt.chat_id))
         records = await self.records(receipt.user_id, receipt.chat_id, receipt.job_id)
+        compaction = compaction or saw_summary(records)
         baseline, failed = await self._expectation(member)
         verdict = wire_verdict(records, baseline=baseline, message=message, failed_before=failed,
                                compaction=compaction, runtime=receipt.runtime)
@@ -231,6 +232,13 @@ class ModelPath:
             except Exception as exc:  # noqa: BLE001 - the store may be away; try again next period
                 log.warning("wire.capture_purge_failed", error=repr(exc))
             await anyio.sleep(period_s)
+
+
+def saw_summary(records: list[WireRecord]) -> bool:
+    """Compaction evidence the proxy sees itself: a summary request of the turn (the CLI asking
+    the model to summarise its history, e.g. Claude and pi after a context-window refusal).
+    Counts as the CLI's own compaction alongside the driver's evidence (SPEC 12 ``compacted``)."""
+    return any(r.kind == "summary" and r.route is not None for r in records)
 
 
 def to_wire_info(v: WireVerdict) -> WireInfo:

@@ -110,6 +110,16 @@ class Member:
         """No earlier turn of this member reached the model and it inherits no history."""
         return not self.history and not any(e.conversation for e in self.turns if e is not t)
 
+    def fixture_verdict(self, t: TurnResult, expected: list[Message]) -> str:
+        """What the fixture's exact audit says of a turn whose first request carried ``expected``:
+        ``new`` / ``complete``; ``compacted`` when a later request no longer carries it and the
+        fixture saw the CLI ask for a summary in this turn (its own compaction)."""
+        if self.first_on_the_wire(t):
+            return "new"
+        later_ok = all(compare_history(expected, r.conversation()[:len(expected)]).ok for r in t.conversation[1:])
+        summarised = any(r.kind == "summary" for r in t.requests)
+        return "compacted" if summarised and not later_ok else "complete"
+
     async def turn(self, message: str, status: str, *, kinds: dict[str, int] | None = None,
                    expected: list[Message] | None = None,
                    transform: Callable[[list[Message]], list[Message]] | None = None) -> TurnResult:
@@ -148,8 +158,9 @@ class Member:
         assert r["locator_before"] is not None and r["locator_after"] == r["locator_before"], ctx
         assert t.kinds() == (kinds or {"conversation": 1}), ctx
         assert t.statuses() == (statuses or [400]), ctx
-        assert_requests(t, [*self.history, Message.user(message)], self.runtime, which=slice(0, 1))
-        assert_wire(t, "new" if self.first_on_the_wire(t) else "complete", self.runtime)
+        expected = [*self.history, Message.user(message)]
+        assert_requests(t, expected, self.runtime, which=slice(0, 1))
+        assert_wire(t, self.fixture_verdict(t, expected), self.runtime, difference=None)
         return t
 
     async def status(self) -> dict[str, Any]:
@@ -177,13 +188,15 @@ class Member:
         return resp.json()
 
 
-def assert_wire(t: TurnResult, history: str, runtime: str) -> None:
+def assert_wire(t: TurnResult, history: str, runtime: str, *, difference: bool | None = False) -> None:
     """Two witnesses agree (SPEC 9.1, 12): the receipt's wire verdict is what the fixture's
-    exact audit of the same turn says, and its request counts are the fixture's."""
+    exact audit of the same turn says, and its request counts are the fixture's.
+    ``difference``: whether the receipt names a first difference (None: as ``history`` implies)."""
     wire = t.receipt.get("wire")
     ctx = f"[{runtime}] receipt wire={wire}\n{t.describe()}"
     assert wire is not None and wire["history"] == history, ctx
-    assert wire["first_difference"] is None, ctx
+    named = history in ("gap", "compacted") if difference is None else difference
+    assert (wire["first_difference"] is not None) == named, ctx
     model = [r for r in t.requests if r.kind not in NOT_MODEL]
     assert wire["requests"] - wire["side_requests"] == len(t.conversation), ctx
     assert wire["side_requests"] >= len(model) - len(t.conversation), ctx

@@ -1,0 +1,117 @@
+"""The daemon's wire ledger and verdicts (runner/model_path.py) on a real SQLite store: what a
+turn leaves for the next, failed queries kept until a success, a fork compared with its source
+at the fork point, a summary request as compaction evidence, texts only with capture on."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from proxy import DigestEntry, ProxyConfig, WireRecord
+from runner.config import load_settings
+from runner.model_path import LedgerSink, ModelPath, _Chat
+from sandbox_manager.sandboxes import container_name, member_key
+from state.receipts import Outcome, Receipt
+from state.records import SavedLocator
+from state.store import MemberOutcome, Store, VerifiedTurn
+
+pytestmark = pytest.mark.anyio
+U, C = "u1", "c1"
+
+
+@pytest.fixture
+async def path(tmp_path):
+    store = Store(tmp_path / "store.db")
+    key = tmp_path / "key"
+    key.write_text("sk-unit-test-key\n")
+    settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path)})
+    mp = ModelPath(settings, "http://127.0.0.1:9", store, None,  # type: ignore[arg-type]
+                   config=ProxyConfig(upstream_url="http://127.0.0.1:9", key_file=key, capture=True))
+    mp.chats[container_name(U, C)] = _Chat(U, C)
+    yield mp
+    store.close()
+
+
+def d(role: str, text: str) -> dict[str, str]:
+    return DigestEntry.text(role, text).model_dump()  # type: ignore[arg-type]
+
+
+seq = iter(range(1, 10_000))
+
+
+async def request(mp: ModelPath, member: str, job: str, conv: list[tuple[str, str]], reply: str | None,
+                  kind: str = "conversation") -> None:
+    rec = WireRecord(seq=next(seq), chat_key=container_name(U, C), member_key=member_key(member), job_id=job,
+                     started_at=datetime.now(UTC), duration_ms=1.0, method="POST", path="/v1/responses",
+                     route="openai.responses", api="responses", kind=kind, side=kind != "conversation", status=200,
+                     bytes_in=1, bytes_out=1, digest=[DigestEntry.text(r, t) for r, t in conv],  # type: ignore[arg-type]
+                     reply=[DigestEntry.text("assistant", reply)] if reply else None,
+                     capture=[{"role": r, "text": t} for r, t in conv], reply_capture=None)  # type: ignore[misc]
+    mp.members[(container_name(U, C), member_key(member))] = member
+    await LedgerSink(mp.store, mp).put(rec)
+
+
+async def settle(mp: ModelPath, member: str, job: str, message: str, outcome: Outcome) -> dict[str, Any]:
+    m = await mp.store.ensure_member(U, C, member, "codex")
+    now = datetime.now(UTC)
+    await mp.store.claim_job(job, U, C, member, "digest", "owner")
+    receipt = Receipt(job_id=job, user_id=U, chat_id=C, member_id=member, runtime="codex", context_status=None,
+                      outcome=outcome, started_at=now, finished_at=now)
+    wire, row = await mp.settle(receipt, await mp.store.get_member(U, C, member), message=message, compaction=False,
+                                settled_index=m.settled_turns + 1)
+    verified = VerifiedTurn(SavedLocator(id="loc-1"))  # a settled turn: the member's settled_turns + 1
+    await mp.store.finish_job(U, job, receipt.model_dump_json(),
+                              MemberOutcome("LIVE", outcome.value, verified=verified, wire=row))
+    return wire.model_dump()
+
+
+async def test_turns_failures_and_a_summary(path: ModelPath) -> None:
+    await request(path, "m1", "j1", [("user", "a")], "ra")
+    assert (await settle(path, "m1", "j1", "a", Outcome.SUCCEEDED))["history"] == "new"
+    await request(path, "m1", "j2", [("user", "a"), ("assistant", "ra"), ("user", "b")], None)
+    assert (await settle(path, "m1", "j2", "b", Outcome.FAILED))["history"] == "complete"
+    # the failed query's text is kept for the next verdict, and cleared by the next success
+    assert [r["failed_text"] for r in path.store.raw_rows("wire_turns")] == [None, "b"]
+    await request(path, "m1", "j3", [("user", "a"), ("assistant", "ra"), ("user", "b"), ("user", "c")], "rc")
+    assert (await settle(path, "m1", "j3", "c", Outcome.SUCCEEDED))["history"] == "complete"
+    assert [r["failed_text"] for r in path.store.raw_rows("wire_turns")] == [None, None, None]
+    # a turn whose CLI summarised (a summary request) and rewrote its history: compacted
+    await request(path, "m1", "j4", [("user", "a"), ("assistant", "ra"), ("user", "b"), ("user", "c"),
+                                     ("assistant", "rc"), ("user", "d")], None)
+    await request(path, "m1", "j4", [("user", "summarise")], "summary", kind="summary")
+    await request(path, "m1", "j4", [("user", "summary text"), ("user", "d")], "rd")
+    wire = await settle(path, "m1", "j4", "d", Outcome.SUCCEEDED)
+    assert (wire["history"], wire["requests"], wire["side_requests"]) == ("compacted", 3, 1)
+    assert wire["first_difference"] == {"index": 0, "role": "user", "expected_digest": d("user", "a")["sha256"],
+                                        "observed_digest": d("user", "summary text")["sha256"]}
+    # digests in the record, texts only in capture_json
+    rows = path.store.raw_rows("wire_records")
+    assert all("capture" not in json.loads(r["record_json"]) for r in rows)
+    assert json.loads(rows[0]["capture_json"]) == {"request": [{"role": "user", "text": "a"}], "reply": []}
+
+
+async def test_a_fork_compares_with_its_source_at_the_fork_point(path: ModelPath) -> None:
+    await request(path, "src", "s1", [("user", "a")], "ra")
+    await settle(path, "src", "s1", "a", Outcome.SUCCEEDED)
+    await request(path, "src", "s2", [("user", "a"), ("assistant", "ra"), ("user", "b")], "rb")
+    await settle(path, "src", "s2", "b", Outcome.SUCCEEDED)
+    source = await path.store.get_member(U, C, "src")
+    await path.store.create_fork_member(source, "fork", home_member_id="src", locator=None, settled_turns=1,
+                                        pending=None)
+    # forked at turn 1: the expected prefix is a, ra — not the source's later b, rb
+    await request(path, "fork", "f1", [("user", "a"), ("assistant", "ra"), ("user", "x")], "rx")
+    wire = await settle(path, "fork", "f1", "x", Outcome.SUCCEEDED)
+    assert (wire["history"], wire["first_difference"]) == ("complete", None)
+
+
+async def test_captured_texts_are_purged_after_the_retention(path: ModelPath) -> None:
+    await request(path, "m1", "j1", [("user", "a")], "ra")
+    assert await path.purge_capture() == 0  # younger than CLOUD_AGENT_WIRE_CAPTURE_DAYS
+    old = (datetime.now(UTC) - timedelta(days=8)).isoformat()
+    path.store._db.execute("UPDATE wire_records SET created_at=?", (old,))  # noqa: SLF001 - age the row
+    assert await path.purge_capture() == 1
+    (row,) = path.store.raw_rows("wire_records")
+    assert row["capture_json"] is None and json.loads(row["record_json"])["digest"] == [d("user", "a")]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from deploy.loopback import Message, compare_history, default_reply
-from runner.turn import TestHooks
+import runner.turn
 from tests.regression.conftest import regression_daemon
 from tests.regression.history_helpers import Member, assert_requests, token
 
@@ -70,7 +70,7 @@ def seam() -> Seam:
 
 @pytest.fixture(scope="module")
 async def gap_daemon(fx, sandbox_image, docker_client, tmp_path_factory, seam):
-    hooks = TestHooks(rewrite_model_request=seam)
+    hooks = runner.turn.TestHooks(rewrite_model_request=seam)
     async with regression_daemon(fx, sandbox_image, docker_client, tmp_path_factory.mktemp("gap"),
                                  hooks=hooks) as d:
         yield d

@@ -263,6 +263,11 @@ class DockerEngine:
 
         exec_id, sock = await self._call(run)
         raw = getattr(sock, "_sock", sock)
+        if raw is not sock:
+            # The SDK hands back a file object (SocketIO) on the socket; while it holds its
+            # reference, closing ``raw`` leaves the fd open until the garbage collector runs,
+            # so dockerd never sees us hang up (the exec's stdin stays open). Drop it now.
+            sock.close()
         return await ExecStream.from_socket(raw, exec_id)
 
     async def exec_exit_code(self, exec_id: str) -> int | None:

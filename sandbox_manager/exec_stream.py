@@ -114,6 +114,34 @@ class ExecStream:
     def diagnostics(self) -> str:
         return b"".join(self._stderr).decode(errors="replace")
 
+    # -- raw bytes (byte protocols over the exec, e.g. the keeper's frames) ----------------
+
+    async def send_raw(self, data: bytes) -> None:
+        """Write ``data`` as is (no newline added)."""
+        if self._closed_write or self._closed:
+            raise ExecStreamClosed("stdin already closed")
+        async with self._send_lock:
+            try:
+                await self._stream.send(data)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise ExecStreamClosed(f"exec stdin is gone: {exc!r}") from exc
+
+    async def receive_raw(self) -> bytes:
+        """The next demultiplexed stdout bytes as they arrive; ``b""`` at end of stream."""
+        while not self._stdout:
+            if self._eof:
+                return b""
+            try:
+                chunk = await self._stream.receive(65536)
+            except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+                self._eof = True
+                continue
+            self._raw += chunk
+            self._demux()
+        data = bytes(self._stdout)
+        self._stdout.clear()
+        return data
+
     # -- framing ---------------------------------------------------------------------------
 
     def _demux(self) -> None:

@@ -1,0 +1,83 @@
+"""Keepers as local processes: ``ca-keeper`` run with this machine's python3 (tests, benches)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import anyio
+from anyio.abc import Process
+
+from sandbox_manager.keeper import KeeperChannel, KeeperIdentity, ProcessBytes
+from sandbox_manager.keeper_sandbox import KeeperPaths, attach_argv, run_prefix
+
+ROOT = Path(__file__).resolve().parents[2]
+KEEPER = ROOT / "images" / "sandbox" / "helpers" / "ca-keeper"
+FAKE_CLI = Path(__file__).with_name("keeper_fake_cli.py")
+
+
+def keeper_cmd() -> tuple[str, ...]:
+    # -I -S: the standard library only, as in the image (and no slow version-manager shim)
+    return (sys.executable, "-I", "-S", str(KEEPER))
+
+
+def fake_cli_argv() -> list[str]:
+    return [sys.executable, "-I", "-S", str(FAKE_CLI)]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def open_client(argv: list[str], env: dict[str, str] | None = None) -> Process:
+    return await anyio.open_process(argv, stdin=-1, stdout=-1, stderr=-1, env=env)
+
+
+async def start_local(paths: KeeperPaths, cli: list[str], *, member: str = "m1", tags: dict[str, str] | None = None,
+                      launch_opts: list[str] | None = None, buffer_bytes: int | None = None,
+                      first_input: bytes | None = None, env: dict[str, str] | None = None,
+                      linger_s: float | None = None) -> tuple[KeeperChannel, Process]:
+    argv = run_prefix(paths, member=member, tags=tags, buffer_bytes=buffer_bytes, linger_s=linger_s,
+                      keeper=keeper_cmd())
+    argv += ["--pidfile", paths.cli_pidfile, *(launch_opts or []), "--", *cli]
+    proc = await open_client(argv, env)
+    try:
+        channel = await KeeperChannel.open(ProcessBytes(proc), first_input=first_input, timeout_s=20)
+    except BaseException:
+        await reap(proc)
+        raise
+    return channel, proc
+
+
+async def attach_local(paths: KeeperPaths, *, from_offset: int, expect: KeeperIdentity | None = None
+                       ) -> tuple[KeeperChannel, Process]:
+    proc = await open_client(attach_argv(paths, keeper=keeper_cmd()))
+    try:
+        channel = await KeeperChannel.open(ProcessBytes(proc), from_offset=from_offset, expect=expect, timeout_s=20)
+    except BaseException:
+        await reap(proc)
+        raise
+    return channel, proc
+
+
+async def reap(proc: Process) -> None:
+    """Close a client process's pipes (it detaches and exits) and wait for it."""
+    with anyio.CancelScope(shield=True):
+        if proc.stdin is not None:
+            try:
+                await proc.stdin.aclose()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        with anyio.move_on_after(5):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+        await proc.aclose()

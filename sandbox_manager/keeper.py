@@ -24,7 +24,7 @@ from anyio.abc import Process
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandbox_manager import keeper_wire as wire
-from sandbox_manager.exec_stream import ExecStream, ExecStreamClosed
+from sandbox_manager.exec_stream import ExecLineTooLong, ExecStream, ExecStreamClosed
 
 MAX_LINE_BYTES = 32 * 1024 * 1024
 STDERR_KEEP = 16 * 1024
@@ -83,6 +83,12 @@ class KeeperDetached(KeeperError):
 
 class KeeperProtocolError(KeeperError):
     reason = "protocol"
+
+
+class KeeperLineTooLong(KeeperError, ExecLineTooLong):
+    """A CLI output line exceeded :attr:`KeeperChannel.max_line` (as the exec stream's)."""
+
+    reason = "line_too_long"
 
 
 # -- what the keeper says about itself --------------------------------------------------------------
@@ -211,10 +217,11 @@ class KeeperChannel:
     """The driver-facing line stream of a CLI under a keeper, plus offsets and identity."""
 
     def __init__(self, stream: ByteStream, hello: KeeperHello, from_offset: int, *,
-                 auto_ack_bytes: int | None = None) -> None:
+                 auto_ack_bytes: int | None = None, max_line: int = MAX_LINE_BYTES) -> None:
         self.stream = stream
         self.hello = hello
         self.auto_ack_bytes = auto_ack_bytes
+        self.max_line = max_line  # bound on one output line (memory, and a runaway CLI)
         self.exit: KeeperExit | None = hello.exit
         self.broken_reason: str | None = hello.broken_reason
         self.goodbye: str | None = None
@@ -228,6 +235,7 @@ class KeeperChannel:
         self._ended = False
         self._stdin_closed = False
         self._failure: KeeperError | None = None
+        self._line_too_long: KeeperLineTooLong | None = None
         self._stderr: deque[bytes] = deque()
         self._stderr_len = 0
         self._send_lock = anyio.Lock()
@@ -235,7 +243,7 @@ class KeeperChannel:
     @classmethod
     async def open(cls, stream: ByteStream, *, from_offset: int = 0, expect: KeeperIdentity | None = None,
                    first_input: bytes | None = None, timeout_s: float = 30.0,
-                   auto_ack_bytes: int | None = None) -> KeeperChannel:
+                   auto_ack_bytes: int | None = None, max_line: int = MAX_LINE_BYTES) -> KeeperChannel:
         """Attach over ``stream`` (a fresh ``ca-keeper run`` or ``ca-keeper attach``).
 
         Reads from ``from_offset`` (the last acknowledged one). ``expect`` is the recorded
@@ -265,7 +273,7 @@ class KeeperChannel:
                 raise KeeperRefused(f"the keeper refused to attach from {from_offset}: {hello.refused} "
                                     f"(acked {hello.acked}, written {hello.written})",
                                     reason=hello.refused or "refused")
-            channel = cls(stream, hello, from_offset, auto_ack_bytes=auto_ack_bytes)
+            channel = cls(stream, hello, from_offset, auto_ack_bytes=auto_ack_bytes, max_line=max_line)
             channel._decoder = decoder  # it may hold the start of the next frame
             if first_input is not None:
                 channel.input_sent += len(_with_newline(first_input))
@@ -294,15 +302,20 @@ class KeeperChannel:
 
     async def receive(self) -> bytes | None:
         while True:
+            if self._line_too_long is not None:
+                raise self._line_too_long
             idx = self._lines.find(b"\n")
+            if idx > self.max_line or (idx < 0 and len(self._lines) > self.max_line):
+                self._line_too_long = KeeperLineTooLong(f"line longer than {self.max_line} bytes")
+                raise self._line_too_long
             if idx >= 0:
                 line = bytes(self._lines[:idx])
                 del self._lines[: idx + 1]
                 self._offset += idx + 1
-                await self._auto_ack()
+                if self._ack_due():
+                    with anyio.CancelScope(shield=True):  # the line is out of the buffer: never lose it
+                        await self._auto_ack()
                 return line[:-1] if line.endswith(b"\r") else line
-            if len(self._lines) > MAX_LINE_BYTES:
-                raise KeeperProtocolError(f"line longer than {MAX_LINE_BYTES} bytes")
             if self._eof:
                 if self._lines:
                     line = bytes(self._lines)
@@ -329,7 +342,7 @@ class KeeperChannel:
     @property
     def alive(self) -> bool:
         return (not self._eof and not self._stdin_closed and not self._ended and self._failure is None
-                and self.exit is None)
+                and self._line_too_long is None and self.exit is None)
 
     def diagnostics(self) -> str:
         text = b"".join(self._stderr).decode(errors="replace")
@@ -410,12 +423,14 @@ class KeeperChannel:
             except ExecStreamClosed as exc:
                 raise KeeperDetached(f"the keeper link is gone: {exc}") from exc
 
+    def _ack_due(self) -> bool:
+        return self.auto_ack_bytes is not None and self._offset - self._acked >= self.auto_ack_bytes
+
     async def _auto_ack(self) -> None:
-        if self.auto_ack_bytes is not None and self._offset - self._acked >= self.auto_ack_bytes:
-            try:
-                await self.ack()
-            except KeeperDetached:
-                pass  # the next receive reports the end
+        try:
+            await self.ack()
+        except KeeperDetached:
+            pass  # the next receive reports the end
 
     async def _read(self) -> None:
         chunk = await self.stream.receive_bytes()

@@ -3,6 +3,9 @@
 * ``local``: :class:`tests.support.local_process.LocalProcessTransport` (the driver tests' transport);
 * ``exec``: an attached ``docker exec`` in a real container, as the runner hands it to a driver
   (marker ``docker``);
+* ``keeper`` / ``keeper-exec``: a :class:`~sandbox_manager.keeper.KeeperChannel` to the peer run
+  under ``ca-keeper``, as a local process and in a real container (marker ``docker``), behind
+  the same runner adapter as the exec stream;
 * ``codex-replay`` / ``pi-replay`` / ``claude-replay``: the recorded-stream replays of tests/support.
 
 Every case is one scenario: the test sends *commands*; the peer answers with the lines (and the
@@ -168,20 +171,77 @@ async def exec_stream(peer_container) -> AsyncIterator[Factory]:
     engine.close()
 
 
+def keeper_argv(paths: Any, cwd: str, keeper: tuple[str, ...] | None = None) -> list[str]:
+    from sandbox_manager.keeper_sandbox import run_prefix
+
+    prefix = run_prefix(paths, member="peer", keeper=keeper) if keeper else run_prefix(paths, member="peer")
+    return [*prefix, "--pidfile", paths.cli_pidfile, "--cwd", cwd, "--", "python3", "-u", "-c", PEER]
+
+
+@pytest.fixture
+async def keeper(tmp_path) -> AsyncIterator[Factory]:
+    from runner.transport import exec_transport
+    from sandbox_manager.keeper import KeeperChannel, ProcessBytes
+    from sandbox_manager.keeper_sandbox import KeeperPaths, retire_argv
+    from tests.support.keeper_local import keeper_cmd, open_client, reap
+
+    started: list[Any] = []
+
+    async def make(_: Scenario) -> Transport:
+        paths = KeeperPaths.in_run_dir(str(tmp_path / f"keeper-{len(started)}"))
+        client = await open_client(keeper_argv(paths, str(tmp_path), keeper_cmd()))
+        started.append((paths, client))
+        channel = await KeeperChannel.open(ProcessBytes(client), timeout_s=20, max_line=LIMIT)
+        return exec_transport(channel)  # type: ignore[arg-type]  # the same stream surface
+
+    yield make
+    for paths, client in started:
+        with anyio.CancelScope(shield=True):
+            await reap(client)
+            await anyio.run_process(retire_argv(paths, grace_s=1.0), check=False)
+
+
+@pytest.fixture
+async def keeper_exec(peer_container) -> AsyncIterator[Factory]:
+    from runner.transport import exec_transport
+    from sandbox_manager import keeper_sandbox
+    from sandbox_manager.engine import DockerEngine
+    from sandbox_manager.keeper_sandbox import KeeperPaths
+
+    engine = DockerEngine()
+    started: list[Any] = []
+
+    async def make(_: Scenario) -> Transport:
+        paths = KeeperPaths.in_run_dir(f"/tmp/keeper-{uuid.uuid4().hex[:8]}")
+        channel = await keeper_sandbox.start(engine, peer_container.id, keeper_argv(paths, "/tmp"), workdir="/tmp")
+        channel.max_line = LIMIT
+        started.append((paths, channel))
+        return exec_transport(channel)  # type: ignore[arg-type]
+
+    yield make
+    for paths, channel in started:
+        with anyio.CancelScope(shield=True):
+            await channel.detach()
+            await keeper_sandbox.retire(engine, peer_container.id, paths, grace_s=1.0)
+    engine.close()
+
+
 EXEC = pytest.param("exec", marks=pytest.mark.docker)
+KEEPER_EXEC = pytest.param("keeper-exec", marks=pytest.mark.docker)
+LIVE = {"local": "local", "exec": "exec_stream", "keeper": "keeper", "keeper-exec": "keeper_exec"}
 REPLAYS: dict[str, Factory] = {"codex-replay": codex_replay, "pi-replay": pi_replay, "claude-replay": claude_replay}
 
 
-@pytest.fixture(params=["local", EXEC, *REPLAYS])
+@pytest.fixture(params=["local", EXEC, "keeper", KEEPER_EXEC, *REPLAYS])
 def make(request) -> Factory:
     if request.param in REPLAYS:
         return REPLAYS[request.param]
-    return request.getfixturevalue({"local": "local", "exec": "exec_stream"}[request.param])
+    return request.getfixturevalue(LIVE[request.param])
 
 
-@pytest.fixture(params=["local", EXEC])
+@pytest.fixture(params=["local", EXEC, "keeper", KEEPER_EXEC])
 def live(request) -> Factory:
-    return request.getfixturevalue({"local": "local", "exec": "exec_stream"}[request.param])
+    return request.getfixturevalue(LIVE[request.param])
 
 
 async def send(t: Transport, cmd: dict[str, Any]) -> None:

@@ -226,3 +226,42 @@ async def test_real_codex_app_server_read_back_across_a_reattach(engine, sandbox
         await ch.shutdown(grace_s=2.0)
         rows = await procs(engine, sandbox)
         assert not [r for r in rows if r["pgid"] == str(ident.pid)], rows
+
+
+@pytest.mark.cli
+async def test_real_pi_rpc_get_state_read_back_across_a_reattach(engine, sandbox) -> None:
+    """The pinned pi under a keeper: its get_state answer, produced while nobody is attached,
+    arrives whole on the next attach; the one before is replayed byte for byte."""
+    paths = member_paths()
+    home = paths.socket.rsplit("/run/", 1)[0] + "/home"
+    await engine.put_files(sandbox, [], [f"{home}/.pi/agent"])
+    argv = [*run_prefix(paths, member="pi-m", tags={"locator": "none"}), "--pidfile", paths.cli_pidfile,
+            "--cwd", "/home/agent/workspace", "--", "pi", "--mode", "rpc", "--no-extensions", "--no-skills",
+            "--no-prompt-templates", "--no-context-files", "--no-themes", "--no-session"]
+    env = {"HOME": home, "PI_CODING_AGENT_DIR": f"{home}/.pi/agent", "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1",
+           "PI_TELEMETRY": "0"}
+
+    def is_state(n: str):
+        return lambda x: json.loads(x).get("id") == n and json.loads(x).get("command") == "get_state"
+
+    with anyio.fail_after(120):
+        ch = await keeper_sandbox.start(engine, sandbox, argv, env=env)
+        ident = ch.identity
+        await ch.send(b'{"id":"s1","type":"get_state"}')
+        before = ch.offset
+        lines = await read_until(ch, is_state("s1"))
+        assert json.loads(lines[-1])["success"] is True
+        await ch.ack(before)
+        await ch.send(b'{"id":"s2","type":"get_state"}')
+        await anyio.sleep(1.0)
+        await ch.stream.exec.aclose()  # type: ignore[attr-defined]  # s2's answer lands while detached
+
+        ch = await keeper_sandbox.attach(engine, sandbox, paths, from_offset=before, expect=ident)
+        replayed = await read_until(ch, is_state("s2"))
+        assert replayed[:len(lines)] == lines  # from the acknowledged offset: the same bytes again
+        second = json.loads(replayed[-1])
+        assert second["success"] is True and second["data"]["isStreaming"] is False
+        assert ch.hello.pid == ident.pid and ch.alive
+        await ch.shutdown(grace_s=2.0)
+        rows = await procs(engine, sandbox)
+        assert not [r for r in rows if r["pgid"] == str(ident.pid)], rows

@@ -242,19 +242,16 @@ class KeeperChannel:
 
     @classmethod
     async def open(cls, stream: ByteStream, *, from_offset: int = 0, expect: KeeperIdentity | None = None,
-                   first_input: bytes | None = None, timeout_s: float = 30.0,
+                   timeout_s: float = 30.0,
                    auto_ack_bytes: int | None = None, max_line: int = MAX_LINE_BYTES) -> KeeperChannel:
         """Attach over ``stream`` (a fresh ``ca-keeper run`` or ``ca-keeper attach``).
 
         Reads from ``from_offset`` (the last acknowledged one). ``expect`` is the recorded
         identity: any other keeper raises :class:`KeeperIdentityMismatch` before anything
-        of its output is read or acknowledged. ``first_input`` (the optional secret header
-        of a new launch) goes to the CLI's stdin in the same write as the attach frame.
+        of its output is read or acknowledged.
         """
         try:
             request = wire.attach_frame(from_offset)
-            if first_input is not None:
-                request += wire.encode(wire.INPUT, _with_newline(first_input))
             try:
                 await stream.send_bytes(request)
             except ExecStreamClosed as exc:
@@ -275,8 +272,6 @@ class KeeperChannel:
                                     reason=hello.refused or "refused")
             channel = cls(stream, hello, from_offset, auto_ack_bytes=auto_ack_bytes, max_line=max_line)
             channel._decoder = decoder  # it may hold the start of the next frame
-            if first_input is not None:
-                channel.input_sent += len(_with_newline(first_input))
             for frame in rest:
                 channel._apply(frame)
             if from_offset > hello.acked:  # committed by a daemon that died before it acknowledged

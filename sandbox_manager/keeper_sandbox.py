@@ -95,12 +95,12 @@ def retire_argv(paths: KeeperPaths, grace_s: float = 3.0) -> list[str]:
 
 
 async def start(engine: Engine, container_id: str, argv: list[str], *, env: dict[str, str] | None = None,
-                workdir: str | None = None, first_input: bytes | None = None, timeout_s: float = 30.0,
+                workdir: str | None = None, timeout_s: float = 30.0,
                 auto_ack_bytes: int | None = None) -> KeeperChannel:
     """Start a keeper and its CLI (``argv`` from :func:`run_prefix` + launch options) and
-    attach to it, all in one attached exec. ``first_input``: the optional secret header."""
+    attach to it, all in one attached exec."""
     stream = await engine.exec_attached(container_id, argv, env=env, workdir=workdir)
-    return await KeeperChannel.open(ExecBytes(stream), from_offset=0, first_input=first_input,
+    return await KeeperChannel.open(ExecBytes(stream), from_offset=0,
                                     timeout_s=timeout_s, auto_ack_bytes=auto_ack_bytes)
 
 

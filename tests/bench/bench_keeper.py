@@ -41,7 +41,7 @@ def row(name: str, samples: list[float]) -> str:
 
 async def main(n: int) -> None:
     engine = DockerEngine()
-    spec = ContainerSpec(image=ensure_image(), name=f"ca-bench-keeper-{uuid.uuid4().hex[:8]}", network="none",
+    spec = ContainerSpec(image=ensure_image(), name=f"ca-bench-keeper-{uuid.uuid4().hex[:8]}",
                          labels={"org.cloud-agent.bench": "keeper"})
     info = await engine.create(spec)
     try:

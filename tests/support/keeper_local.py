@@ -43,14 +43,14 @@ async def open_client(argv: list[str], env: dict[str, str] | None = None) -> Pro
 
 async def start_local(paths: KeeperPaths, cli: list[str], *, member: str = "m1", tags: dict[str, str] | None = None,
                       launch_opts: list[str] | None = None, buffer_bytes: int | None = None,
-                      first_input: bytes | None = None, env: dict[str, str] | None = None,
+                      env: dict[str, str] | None = None,
                       linger_s: float | None = None) -> tuple[KeeperChannel, Process]:
     argv = run_prefix(paths, member=member, tags=tags, buffer_bytes=buffer_bytes, linger_s=linger_s,
                       keeper=keeper_cmd())
     argv += ["--pidfile", paths.cli_pidfile, *(launch_opts or []), "--", *cli]
     proc = await open_client(argv, env)
     try:
-        channel = await KeeperChannel.open(ProcessBytes(proc), first_input=first_input, timeout_s=20)
+        channel = await KeeperChannel.open(ProcessBytes(proc), timeout_s=20)
     except BaseException:
         await reap(proc)
         raise

@@ -20,7 +20,7 @@ HOST_ID = f"engine-test-{uuid.uuid4().hex[:8]}"
 def throwaway_container(image: str, docker_client, prefix: str = "ca-test") -> Iterator[str]:
     TEST_HOST_IDS.add(HOST_ID)
     engine = DockerEngine()
-    spec = ContainerSpec(image=image, name=f"{prefix}-{uuid.uuid4().hex[:10]}", network="none",
+    spec = ContainerSpec(image=image, name=f"{prefix}-{uuid.uuid4().hex[:10]}",
                          labels={LABEL_SANDBOX: "1", LABEL_HOST: HOST_ID})
     info = anyio.run(engine.create, spec)
     try:

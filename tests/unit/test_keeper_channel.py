@@ -115,7 +115,7 @@ async def test_partial_last_line_at_eof_counts_in_the_offset() -> None:
 
 async def test_send_close_ack_are_frames_and_input_is_counted() -> None:
     stream = FakeBytes([hello() + wire.encode_data(0, b'{"a":1}\n{"b":2}\n')])
-    ch = await KeeperChannel.open(stream, first_input=b'{"KEY":"v"}')  # type: ignore[arg-type]
+    ch = await KeeperChannel.open(stream)  # type: ignore[arg-type]
     await ch.send(b'{"op":"x"}')
     assert await ch.receive() == b'{"a":1}' and ch.offset == 8
     await ch.ack()
@@ -127,10 +127,10 @@ async def test_send_close_ack_are_frames_and_input_is_counted() -> None:
     with pytest.raises(KeeperError, match="stdin already closed"):
         await ch.send(b"late")
     assert stream.frames() == [
-        (b"A", b'{"protocol":1,"from":0}'), (b"I", b'{"KEY":"v"}\n'), (b"I", b'{"op":"x"}\n'),
+        (b"A", b'{"protocol":1,"from":0}'), (b"I", b'{"op":"x"}\n'),
         (b"K", (8).to_bytes(8, "big")), (b"C", b""),
     ]
-    assert ch.input_sent == len(b'{"KEY":"v"}\n{"op":"x"}\n')
+    assert ch.input_sent == len(b'{"op":"x"}\n')
     assert ch.acked == 8
 
 

@@ -215,20 +215,6 @@ async def test_failed_precheck_is_the_same_launch_error_line_and_exit_code(paths
         await reap(client)
 
 
-async def test_secret_header_is_optional_first_input(paths) -> None:
-    with anyio.fail_after(30):
-        ch, client = await start_local(paths, fake_cli_argv(), launch_opts=["--secret-header"],
-                                       first_input=b'{"GATEWAY_KEY_X":"s3cr3t-value"}')
-        await ch.receive()
-        await ch.send(b'{"op":"env","name":"GATEWAY_KEY_X"}')
-        assert json.loads(await ch.receive()) == {"env": "GATEWAY_KEY_X", "value": "s3cr3t-value"}
-        assert ch.input_sent == status(paths)["hello"]["input_received"]
-        await ch.detach()
-        await reap(client)
-    assert "s3cr3t" not in Path(paths.log).read_text()
-    assert "s3cr3t" not in " ".join(Path(f"/proc/{keeper_pid(paths)}/cmdline").read_text().split("\0"))
-
-
 async def test_reattach_supersedes_and_offsets_outside_the_log_are_refused(paths) -> None:
     with anyio.fail_after(30):
         first, c1 = await start_local(paths, fake_cli_argv())

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import SecretStr, ValidationError
@@ -20,9 +19,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from runner.api_errors import error, path_ids, validation_error
+from runner.bounds import BadBody, BodyTooLarge, parse_json, read_body
 from runner.forks import ForkError
 from runner.forwarding import FleetGate
 from runner.inspector_api import InspectorRoutes
+from runner.job_stream import ndjson_line
 from runner.openapi import openapi_document
 from runner.supervisor import Supervisor
 from state.contract import Fenced, StoreUnavailable
@@ -30,16 +31,27 @@ from state.jobs import ID_PATTERN, ForkRequest, Job
 
 NDJSON = "application/x-ndjson"
 _ID = re.compile(ID_PATTERN)
+# A job is one flat object; nothing legitimate nests deeper than this.
+MAX_JSON_DEPTH = 16
+FORK_BODY_BYTES = 16 * 1024
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def ndjson_line(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+async def json_body(request: Request, limit: int) -> tuple[bytes, Any] | Response:
+    """(raw, parsed), or the error response (413 over ``limit``, 422 malformed or too deep)."""
+    try:
+        raw = await read_body(request, limit)
+        return raw, parse_json(raw, max_depth=MAX_JSON_DEPTH)
+    except BodyTooLarge as exc:
+        return error(413, "body_too_large", {"field": "body", "limit_bytes": exc.limit})
+    except BadBody as exc:
+        return error(422, "invalid_request", [{"field": "body", "message": exc.message, "type": exc.kind}])
 
 
 class Api:
     def __init__(self, supervisor: Supervisor, token: SecretStr | None, *, max_message_bytes: int,
+                 max_body_bytes: int | None = None,
                  attestation: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  readiness: Callable[[], Awaitable[tuple[list[str], dict[str, str]]]] | None = None,
                  gate: FleetGate | None = None) -> None:
@@ -47,6 +59,8 @@ class Api:
         self.gate = gate  # a fleet host: requests for other hosts' chats are forwarded
         self.token = token
         self.max_message_bytes = max_message_bytes
+        # JSON escapes can make a message up to 6x longer on the wire (\u0001).
+        self.max_body_bytes = max_body_bytes or 6 * max_message_bytes + 64 * 1024
         self.attestation = attestation
         self.readiness = readiness
 
@@ -76,7 +90,13 @@ class Api:
     async def _gate_chat(self, request: Request, ids: tuple[str, ...]) -> Response | None:
         if self.gate is None:
             return None
-        return await self.gate.chat(request, ids[0], ids[1], await request.body())
+        try:
+            raw = await read_body(request, FORK_BODY_BYTES)  # chat routes take small bodies (fork)
+        except BodyTooLarge as exc:
+            return error(413, "body_too_large", {"field": "body", "limit_bytes": exc.limit})
+        except BadBody as exc:
+            return error(422, "invalid_request", [{"field": "body", "message": exc.message, "type": exc.kind}])
+        return await self.gate.chat(request, ids[0], ids[1], raw)
 
     def chat_guard(self, handler: Handler) -> Handler:
         """guard + (a fleet host) served by the chat's owner: for routes with user and chat ids."""
@@ -94,11 +114,10 @@ class Api:
     # -- routes ----------------------------------------------------------------------------------
 
     async def post_job(self, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return error(422, "invalid_request", [{"field": "body", "message": "not JSON", "type": "json_invalid"}])
+        read = await json_body(request, self.max_body_bytes)
+        if isinstance(read, Response):
+            return read
+        raw, body = read
         if not isinstance(body, dict):
             return error(422, "invalid_request", [{"field": "body", "message": "must be an object", "type": "type"}])
         try:
@@ -129,12 +148,7 @@ class Api:
         events = sub.events
         assert events is not None
 
-        async def stream() -> AsyncIterator[bytes]:
-            async with events:
-                async for ev in events:
-                    yield ndjson_line(ev)
-
-        return StreamingResponse(stream(), media_type=NDJSON)
+        return StreamingResponse(events.lines(), media_type=NDJSON)
 
     async def get_job(self, request: Request) -> Response:
         user_id = request.query_params.get("user_id", "")
@@ -192,8 +206,11 @@ class Api:
         # like a missing one, whatever the body and whether fork is implemented.
         if await self.sup.store.get_member(*ids) is None:
             return error(404, "not_found")
+        read = await json_body(request, FORK_BODY_BYTES)
+        if isinstance(read, Response):
+            return read
         try:
-            req = ForkRequest.model_validate_json(await request.body())
+            req = ForkRequest.model_validate(read[1])
         except ValidationError as exc:
             return validation_error(exc)
         try:

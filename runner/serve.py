@@ -125,7 +125,7 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
             reasons, detail = [*reasons, "host_fenced"], {**detail, "host_fenced": "the fleet lease expired"}
         return reasons, detail
 
-    api = Api(supervisor, token, max_message_bytes=settings.max_message_bytes,
+    api = Api(supervisor, token, max_message_bytes=settings.max_message_bytes, max_body_bytes=settings.max_body_bytes,
               attestation=attestor.document, readiness=readiness, gate=gate)
     return Daemon(settings=settings, gateway_url=gateway_url, supervisor=supervisor,
                   app=create_app(api, lifespan=lifespan), fixture=fixture, attestor=attestor)

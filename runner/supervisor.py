@@ -8,11 +8,10 @@ listening does not cancel its job; the receipt stays fetchable by job id.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -21,13 +20,14 @@ import anyio
 import structlog
 from prometheus_client import generate_latest
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from drivers.models import DriverOptions
 from images.identity import carries_bridge, image_tag
 from images.pins import load_pins
 from runner.config import Settings
 from runner.forks import Forker
+from runner.job_stream import JobStream
+from runner.member_locks import MemberLocks
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
 from runner.residents import ResidentPool
@@ -47,7 +47,7 @@ log = structlog.get_logger("supervisor")
 class Submission:
     kind: Literal["started", "done", "running", "conflict"]
     receipt: Receipt | None = None
-    events: MemoryObjectReceiveStream[dict[str, Any]] | None = None
+    events: JobStream | None = None
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Heartbeat:
 @dataclass
 class _Job:
     job: Job
-    send: MemoryObjectSendStream[dict[str, Any]]
+    stream: JobStream
     done: anyio.Event = field(default_factory=anyio.Event)
     receipt: Receipt | None = None
 
@@ -90,7 +90,7 @@ class Supervisor:
                                  driver_options=driver_options(settings))
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self.metrics = Metrics()
-        self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
+        self.locks = MemberLocks()
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._tg: TaskGroup | None = None
         self.started_at = datetime.now(UTC)
@@ -133,25 +133,23 @@ class Supervisor:
         while True:
             await anyio.sleep(period)
             now = time.monotonic()
+            # A resident whose process died on its own is pruned here, not kept forever.
+            await self.pool.retire_where(lambda r: not r.alive and not self.locks.busy(r.key), "exited")
             await self.pool.retire_where(
-                lambda r: now - r.last_used > self.settings.resident_idle_s and not self._busy(r.key), "idle")
+                lambda r: now - r.last_used > self.settings.resident_idle_s and not self.locks.busy(r.key), "idle")
             for rec in await self.store.list_sandboxes(SandboxState.RUNNING):
                 if rec.host_id != self.manager.config.host_id:
                     continue  # a fleet's store holds every host's sandboxes
                 idle = (datetime.now(UTC) - rec.last_used_at).total_seconds()
                 chat = (rec.user_id, rec.chat_id)
-                if idle > self.settings.idle_stop_s and not any(self._busy(k) for k in self._locks if k[:2] == chat):
+                if idle > self.settings.idle_stop_s and not self.locks.chat_busy(*chat):
                     await self.pool.retire_where(lambda r, c=chat: r.key[:2] == c, "sandbox idle stop")
                     await self.manager.stop(*chat)
                     await self.model_path.close(*chat)
 
-    def _busy(self, key: tuple[str, str, str]) -> bool:
-        lock = self._locks.get(key)
-        return lock is not None and lock.locked()
-
     def in_turn(self, key: tuple[str, str, str]) -> bool:
         """A turn of this member holds its lock now (the inspector's host view)."""
-        return self._busy(key)
+        return self.locks.held(key)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Supervisor"]:
@@ -178,12 +176,6 @@ class Supervisor:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def _lock(self, key: tuple[str, str, str]) -> anyio.Lock:
-        lock = self._locks.get(key)
-        if lock is None:
-            lock = self._locks[key] = anyio.Lock()
-        return lock
-
     async def submit(self, job: Job) -> Submission:
         if self._tg is None:
             raise RuntimeError("supervisor is not running")
@@ -196,33 +188,27 @@ class Supervisor:
             return Submission("done", receipt=Receipt.model_validate_json(claim.job.receipt_json))
         if claim.kind == "running":
             return Submission("running")
-        send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
-        entry = _Job(job=job, send=send)
+        stream = JobStream(self.settings.event_buffer_bytes)
+        entry = _Job(job=job, stream=stream)
         self._jobs[(job.user_id, job.job_id)] = entry
         self._tg.start_soon(self._run_job, entry)
-        return Submission("started", events=receive)
+        return Submission("started", events=stream)
 
     async def _run_job(self, entry: _Job) -> None:
         job = entry.job
-
-        def emit(event: dict[str, Any]) -> None:
-            try:
-                entry.send.send_nowait(event)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass  # the client left; the job goes on
-
+        last: dict[str, Any] = {"type": "error", "error": "internal_error", "detail": "cancelled"}
         try:
-            async with self._lock((job.user_id, job.chat_id, job.member_id)):
-                receipt = await self.runner.execute(job, emit)
+            async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
+                receipt = await self.runner.execute(job, entry.stream.emit)
             entry.receipt = receipt
             self.metrics.observe(receipt)
-            emit({"type": "receipt", "receipt": receipt.model_dump(mode="json")})
+            last = {"type": "receipt", "receipt": receipt.model_dump(mode="json")}
         except Fenced:
             # the lease expired mid-turn: the store refused the commit; nothing was recorded
             log.error("job.commit_fenced", job_id=job.job_id)
             await self.pool.retire_where(lambda r: r.key[:2] == (job.user_id, job.chat_id), "host fenced")
-            emit({"type": "error", "error": "host_fenced",
-                  "detail": "this host's lease expired during the turn: the store refused its commit"})
+            last = {"type": "error", "error": "host_fenced",
+                    "detail": "this host's lease expired during the turn: the store refused its commit"}
         except StoreUnavailable as exc:
             # The store went away mid-turn: close the job as not_settled (the store retries a
             # while) so it is not left running; the member's locator stays where it was.
@@ -231,15 +217,15 @@ class Supervisor:
                                          "store unavailable")
             try:
                 entry.receipt = await self._close_unsettled(job, "store_unavailable")
-                emit({"type": "receipt", "receipt": entry.receipt.model_dump(mode="json")})
+                last = {"type": "receipt", "receipt": entry.receipt.model_dump(mode="json")}
             except (StoreUnavailable, RuntimeError, KeyError):
-                emit({"type": "error", "error": "store_unavailable", "detail": str(exc)})
+                last = {"type": "error", "error": "store_unavailable", "detail": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a bug must not take the daemon down
             log.exception("job.crashed", job_id=job.job_id, error=repr(exc))
-            emit({"type": "error", "error": "internal_error", "detail": type(exc).__name__})
+            last = {"type": "error", "error": "internal_error", "detail": type(exc).__name__}
         finally:
             entry.done.set()
-            entry.send.close()
+            entry.stream.finish(last)
             self._jobs.pop((job.user_id, job.job_id), None)
 
     async def _close_unsettled(self, job: Job, reason: str) -> Receipt:
@@ -260,9 +246,8 @@ class Supervisor:
             return sub.receipt, [], sub.kind
         events: list[dict[str, Any]] = []
         assert sub.events is not None
-        async with sub.events:
-            async for ev in sub.events:
-                events.append(ev)
+        async for ev in sub.events.events():
+            events.append(ev)
         receipt = next((Receipt.model_validate(e["receipt"]) for e in events if e.get("type") == "receipt"), None)
         return receipt, events, sub.kind
 
@@ -310,11 +295,11 @@ class Supervisor:
         return text + generate_latest(self.model_path.proxy_metrics.registry).decode()
 
     async def stop_chat(self, user_id: str, chat_id: str) -> bool:
-        chat_keys = [k for k in self._locks if k[:2] == (user_id, chat_id)]
+        chat_keys = self.locks.chat_keys(user_id, chat_id)
         sb = await self.store.get_sandbox(user_id, chat_id)
         if sb is None:
             return False
-        async with _all_locks([self._lock(k) for k in chat_keys]):
+        async with self.locks.hold_all(chat_keys):
             await self.pool.retire_where(lambda r: r.key[:2] == (user_id, chat_id), "chat stop")
             stopped = await self.manager.stop(user_id, chat_id)
             await self.model_path.close(user_id, chat_id)
@@ -324,7 +309,7 @@ class Supervisor:
         """A new member whose native session is a fork (raises ForkError with a status)."""
         forker = Forker(self.store, self.manager, self.pool, self.runner)
         source = await forker.check(await self.store.get_member(user_id, chat_id, member_id), req)
-        async with self._lock((user_id, chat_id, member_id)), self._lock((user_id, chat_id, req.new_member_id)):
+        async with self.locks.hold_all([(user_id, chat_id, member_id), (user_id, chat_id, req.new_member_id)]):
             source = await forker.check(await self.store.get_member(user_id, chat_id, member_id), req)
             return await forker.fork(source, req)
 
@@ -332,16 +317,8 @@ class Supervisor:
         if await self.store.get_member(user_id, chat_id, member_id) is None:
             return None
         key = (user_id, chat_id, member_id)
-        async with self._lock(key):
+        async with self.locks.hold(key):
             return await self.pool.retire(key, "retire requested")
-
-
-@asynccontextmanager
-async def _all_locks(locks: list[anyio.Lock]) -> AsyncIterator[None]:
-    async with AsyncExitStack() as stack:
-        for lock in locks:
-            await stack.enter_async_context(lock)
-        yield
 
 
 def build_supervisor(settings: Settings, gateway_url: str, *, hooks: TestHooks | None = None,

@@ -1,0 +1,49 @@
+"""The supervisor's per-key state does not grow with the number of chats it has served.
+
+A fake engine refuses the image, so every job runs the real job fence, member lock, turn
+state machine and commit, and is refused before any container would be made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from runner.config import load_settings
+from state.jobs import Job
+from runner.supervisor import build_supervisor
+from sandbox_manager.engine import ImageInfo
+
+pytestmark = pytest.mark.anyio
+
+
+class RefusingEngine:
+    async def image(self, ref: str) -> ImageInfo:
+        return ImageInfo(id="sha256:" + "0" * 64, labels={}, tags=(ref,))  # no pins: refused
+
+    async def list_labelled(self, label: str) -> list[Any]:
+        return []
+
+
+async def test_locks_jobs_and_streams_are_pruned_after_many_chats(tmp_path) -> None:
+    settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_IMAGE": "fake:1",
+                              "CLOUD_AGENT_GATEWAY_URL": "http://127.0.0.1:9"})
+    sup = build_supervisor(settings, "http://127.0.0.1:9", engine=RefusingEngine())  # type: ignore[arg-type]
+    outcomes: list[tuple[str, str | None]] = []
+
+    async def one(i: int) -> None:
+        job = Job(job_id=f"j{i}", user_id=f"u{i % 7}", chat_id=f"c{i}", member_id=f"m{i % 3}", runtime="codex",
+                  message="hi")
+        receipt, events, kind = await sup.run_job(job)
+        assert kind == "started" and receipt is not None and events[-1]["type"] == "receipt"
+        outcomes.append((receipt.outcome.value, receipt.reason))
+
+    async with sup.running():
+        for start in range(0, 600, 50):
+            async with anyio.create_task_group() as tg:
+                for i in range(start, start + 50):
+                    tg.start_soon(one, i)
+        assert outcomes == [("refused", "image_unsupported")] * 600
+        assert (len(sup.locks), len(sup._jobs), len(sup.pool)) == (0, 0, 0)

@@ -56,6 +56,10 @@ class Settings(BaseModel):
     idle_stop_s: float = Field(default=1800.0, description="CLOUD_AGENT_IDLE_STOP_S: stop idle sandboxes")
     resident_idle_s: float = Field(default=900.0, description="CLOUD_AGENT_RESIDENT_IDLE_S: retire idle processes")
     max_message_bytes: int = Field(default=1024 * 1024, description="CLOUD_AGENT_MAX_MESSAGE_BYTES")
+    max_body_bytes: int | None = Field(default=None, gt=0,
+                                       description="CLOUD_AGENT_MAX_BODY_BYTES; default 6 x message + 64 KiB")
+    event_buffer_bytes: int = Field(default=1024 * 1024, gt=0,
+                                    description="CLOUD_AGENT_EVENT_BUFFER_BYTES: per-job stream buffer")
     heartbeat_interval_s: float = Field(default=10.0, description="CLOUD_AGENT_HEARTBEAT_INTERVAL_S")
     host_id: str | None = Field(default=None, description="CLOUD_AGENT_HOST_ID; default kept in HOME/host-id")
     probe_interval_s: float = Field(default=60.0, gt=0, description="CLOUD_AGENT_PROBE_INTERVAL_S: reverse probe period")
@@ -156,7 +160,8 @@ _ENV = {
     "CLOUD_AGENT_LISTEN_HOST": "listen_host", "CLOUD_AGENT_LISTEN_PORT": "listen_port",
     "CLOUD_AGENT_TURN_TIMEOUT_S": "turn_timeout_s", "CLOUD_AGENT_HANDSHAKE_TIMEOUT_S": "handshake_timeout_s",
     "CLOUD_AGENT_IDLE_STOP_S": "idle_stop_s", "CLOUD_AGENT_RESIDENT_IDLE_S": "resident_idle_s",
-    "CLOUD_AGENT_MAX_MESSAGE_BYTES": "max_message_bytes", "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "CLOUD_AGENT_MAX_MESSAGE_BYTES": "max_message_bytes", "CLOUD_AGENT_MAX_BODY_BYTES": "max_body_bytes",
+    "CLOUD_AGENT_EVENT_BUFFER_BYTES": "event_buffer_bytes", "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "CLOUD_AGENT_HOST_ID": "host_id", "CLOUD_AGENT_PROBE_INTERVAL_S": "probe_interval_s",
     "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",
     "CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S": "control_plane_timeout_s",

@@ -7,6 +7,7 @@ from typing import Any
 
 from runner.inspector_openapi import MODELS as INSPECTOR_MODELS
 from runner.inspector_openapi import inspector_paths
+from runner.job_stream import CutEvent
 from state.jobs import ID_PATTERN, ForkRequest, Job
 from state.receipts import Receipt
 
@@ -20,7 +21,7 @@ def _ref(name: str) -> dict[str, str]:
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (Job, Receipt, ForkRequest, *INSPECTOR_MODELS):
+    for model in (Job, Receipt, ForkRequest, CutEvent, *INSPECTOR_MODELS):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -33,10 +34,14 @@ def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/jobs": {"post": {
             "summary": "Run a job; streams events as NDJSON, the last line is {type: receipt, receipt}",
+            "description": ("A reader that falls a per-job byte budget behind loses the events after that "
+                            "point: the stream then ends with a CutEvent line, then the receipt line (the "
+                            "receipt is also stored: GET /v1/jobs/{job_id})."),
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Job")}}},
             "responses": {"200": {"description": "event stream", "content": {"application/x-ndjson": {}}},
                           "401": {"description": "no or wrong service token", "content": e},
                           "409": {"description": "job_running or job_conflict", "content": e},
+                          "413": {"description": "body_too_large: refused before it was read", "content": e},
                           "422": {"description": "invalid body, naming the fields", "content": e}}}},
         "/v1/jobs/{job_id}": {"get": {
             "summary": "A job's receipt, only to its owner",
@@ -54,7 +59,9 @@ def openapi_document() -> dict[str, Any]:
         "/v1/users/{user_id}/chats/{chat_id}/members/{member_id}/fork": {"post": {
             "summary": "A new member whose native session is a fork", "parameters": member,
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ForkRequest")}}},
-            "responses": {"200": {"description": "forked"}, "404": {"description": "not found"}}}},
+            "responses": {"200": {"description": "forked"}, "404": {"description": "not found"},
+                          "413": {"description": "body_too_large", "content": e},
+                          "422": {"description": "invalid body, naming the fields", "content": e}}}},
         "/v1/attestation": {"get": {"summary": "Host attestation document", "responses": {"200": {"description": "attestation"}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics (text format 0.0.4)",
                              "responses": {"200": {"description": "metrics", "content": {"text/plain": {}}}}}},

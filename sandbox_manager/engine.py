@@ -211,7 +211,9 @@ class DockerEngine:
             init=True,  # PID 1 reaps: killed CLIs must not pile up as zombies
             user=spec.user, working_dir=spec.workdir, network_mode="none",  # sealed (SPEC 7): there is no other setting
             cap_drop=["ALL"], security_opt=["no-new-privileges"], privileged=False,
-            mem_limit=spec.memory_bytes, pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
+            # swap equal to memory: no swap beyond the limit (the engine's default doubles it)
+            mem_limit=spec.memory_bytes, memswap_limit=spec.memory_bytes,
+            pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
             detach=True, tty=False, stdin_open=False,
             volumes={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
         )

@@ -61,6 +61,7 @@ async def test_create_hardened_and_retained(manager: SandboxManager, docker_clie
     assert host["Privileged"] is False
     assert host["NetworkMode"] == "none"
     assert host["Memory"] > 0 and host["PidsLimit"] > 0
+    assert host["MemorySwap"] == host["Memory"]  # no swap beyond the memory limit
     assert attrs["Config"]["User"] == "agent"
     # the one mount: its own model socket directory, read-only (SPEC 7)
     assert [(m["Type"], m["Source"], m["Destination"], m["RW"]) for m in attrs["Mounts"]] == [

@@ -58,6 +58,9 @@ class Settings(BaseModel):
     max_message_bytes: int = Field(default=1024 * 1024, description="CLOUD_AGENT_MAX_MESSAGE_BYTES")
     max_body_bytes: int | None = Field(default=None, gt=0,
                                        description="CLOUD_AGENT_MAX_BODY_BYTES; default 6 x message + 64 KiB")
+    max_turns: int | None = Field(default=32, ge=1, description="CLOUD_AGENT_MAX_TURNS: admitted jobs at once")
+    max_running_sandboxes: int | None = Field(default=64, ge=1, description="CLOUD_AGENT_MAX_RUNNING_SANDBOXES")
+    queue_timeout_s: float = Field(default=30.0, gt=0, description="CLOUD_AGENT_QUEUE_TIMEOUT_S: then 503 host_busy")
     event_buffer_bytes: int = Field(default=1024 * 1024, gt=0,
                                     description="CLOUD_AGENT_EVENT_BUFFER_BYTES: per-job stream buffer")
     heartbeat_interval_s: float = Field(default=10.0, description="CLOUD_AGENT_HEARTBEAT_INTERVAL_S")
@@ -161,7 +164,9 @@ _ENV = {
     "CLOUD_AGENT_TURN_TIMEOUT_S": "turn_timeout_s", "CLOUD_AGENT_HANDSHAKE_TIMEOUT_S": "handshake_timeout_s",
     "CLOUD_AGENT_IDLE_STOP_S": "idle_stop_s", "CLOUD_AGENT_RESIDENT_IDLE_S": "resident_idle_s",
     "CLOUD_AGENT_MAX_MESSAGE_BYTES": "max_message_bytes", "CLOUD_AGENT_MAX_BODY_BYTES": "max_body_bytes",
-    "CLOUD_AGENT_EVENT_BUFFER_BYTES": "event_buffer_bytes", "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "CLOUD_AGENT_EVENT_BUFFER_BYTES": "event_buffer_bytes", "CLOUD_AGENT_MAX_TURNS": "max_turns",
+    "CLOUD_AGENT_MAX_RUNNING_SANDBOXES": "max_running_sandboxes", "CLOUD_AGENT_QUEUE_TIMEOUT_S": "queue_timeout_s",
+    "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "CLOUD_AGENT_HOST_ID": "host_id", "CLOUD_AGENT_PROBE_INTERVAL_S": "probe_interval_s",
     "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",
     "CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S": "control_plane_timeout_s",

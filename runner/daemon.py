@@ -141,6 +141,13 @@ class Api:
             return error(409, "job_conflict", "this job_id was used with another body")
         if sub.kind == "running":
             return error(409, "job_running", "this job_id is still running")
+        if sub.kind == "busy":
+            assert sub.busy is not None
+            b = sub.busy
+            resp = error(503, "host_busy", {"retry_after_s": b.retry_after_s, "waited_ms": b.waited_ms,
+                                            "position": b.position})
+            resp.headers["retry-after"] = str(b.retry_after_s)
+            return resp
         if sub.kind == "done":
             assert sub.receipt is not None
             line = ndjson_line({"type": "receipt", "receipt": sub.receipt.model_dump(mode="json")})
@@ -166,6 +173,8 @@ class Api:
             return error(404, "not_found")
         if result == "running":
             return JSONResponse({"job_id": job_id, "status": "running"}, status_code=202)
+        if isinstance(result, int):
+            return JSONResponse({"job_id": job_id, "status": "queued", "position": result}, status_code=202)
         return JSONResponse(result.model_dump(mode="json"))
 
     async def chat_status(self, request: Request) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from runner.admission import QueuedEvent
 from runner.inspector_openapi import MODELS as INSPECTOR_MODELS
 from runner.inspector_openapi import inspector_paths
 from runner.job_stream import CutEvent
@@ -21,7 +22,7 @@ def _ref(name: str) -> dict[str, str]:
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (Job, Receipt, ForkRequest, CutEvent, *INSPECTOR_MODELS):
+    for model in (Job, Receipt, ForkRequest, CutEvent, QueuedEvent, *INSPECTOR_MODELS):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -34,21 +35,34 @@ def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/jobs": {"post": {
             "summary": "Run a job; streams events as NDJSON, the last line is {type: receipt, receipt}",
-            "description": ("A reader that falls a per-job byte budget behind loses the events after that "
-                            "point: the stream then ends with a CutEvent line, then the receipt line (the "
-                            "receipt is also stored: GET /v1/jobs/{job_id})."),
+            "description": ("Admission: beyond CLOUD_AGENT_MAX_TURNS (or the running-sandbox limit) a job "
+                            "waits in a queue fair between users, before the answer starts and before its "
+                            "job id is claimed. Once admitted, the 200 stream's first lines are the "
+                            "QueuedEvent lines of every place it held (GET /v1/jobs/{job_id} shows the live "
+                            "position meanwhile); still waiting at CLOUD_AGENT_QUEUE_TIMEOUT_S it is answered "
+                            "503 host_busy with Retry-After, nothing ran and nothing was recorded, so the "
+                            "same job may be dispatched again. "
+                            "Bounds: a reader that falls a per-job byte budget behind loses the events after "
+                            "that point: the stream then ends with a CutEvent line, then the receipt line "
+                            "(the receipt is also stored: GET /v1/jobs/{job_id})."),
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Job")}}},
             "responses": {"200": {"description": "event stream", "content": {"application/x-ndjson": {}}},
                           "401": {"description": "no or wrong service token", "content": e},
                           "409": {"description": "job_running or job_conflict", "content": e},
                           "413": {"description": "body_too_large: refused before it was read", "content": e},
+                          "503": {"description": ("host_busy: still queued at the queue timeout; detail "
+                                                  "{retry_after_s, waited_ms, position}; nothing ran"),
+                                  "headers": {"Retry-After": {"description": "seconds",
+                                                              "schema": {"type": "integer"}}},
+                                  "content": e},
                           "422": {"description": "invalid body, naming the fields", "content": e}}}},
         "/v1/jobs/{job_id}": {"get": {
             "summary": "A job's receipt, only to its owner",
             "parameters": [dict(ids, name="job_id"), {"in": "query", "name": "user_id", "required": True,
                                                       "schema": {"type": "string"}}],
             "responses": {"200": {"description": "receipt", "content": {"application/json": {"schema": _ref("Receipt")}}},
-                          "202": {"description": "still running"}, "404": {"description": "not found", "content": e}}}},
+                          "202": {"description": ("still running: {job_id, status: running}, or waiting for admission: "
+                                                     "{job_id, status: queued, position}")}, "404": {"description": "not found", "content": e}}}},
         "/v1/users/{user_id}/chats/{chat_id}": {"get": {"summary": "Sandbox state, members, last receipts",
                                                         "parameters": chat, "responses": {"200": {"description": "status"}, "404": {"description": "not found"}}}},
         "/v1/users/{user_id}/chats/{chat_id}/stop": {"post": {"summary": "Idle-stop the sandbox (writable layer kept)",

@@ -24,6 +24,9 @@ from anyio.abc import TaskGroup
 from drivers.models import DriverOptions
 from images.identity import carries_bridge, image_tag
 from images.pins import load_pins
+from runner.admission import Grant, HostBusy
+from runner.capacity import HostCapacity
+from runner.capacity_metrics import CapacityMetrics
 from runner.config import Settings
 from runner.forks import Forker
 from runner.job_stream import JobStream
@@ -45,9 +48,10 @@ log = structlog.get_logger("supervisor")
 
 @dataclass
 class Submission:
-    kind: Literal["started", "done", "running", "conflict"]
+    kind: Literal["started", "done", "running", "conflict", "busy"]
     receipt: Receipt | None = None
     events: JobStream | None = None
+    busy: HostBusy | None = None
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Heartbeat:
 class _Job:
     job: Job
     stream: JobStream
+    grant: Grant
     done: anyio.Event = field(default_factory=anyio.Event)
     receipt: Receipt | None = None
 
@@ -90,7 +95,10 @@ class Supervisor:
                                  driver_options=driver_options(settings))
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self.metrics = Metrics()
+        self.capacity_metrics = CapacityMetrics()
         self.locks = MemberLocks()
+        self.capacity = HostCapacity(settings, manager=manager, pool=self.pool, locks=self.locks,
+                                     metrics=self.capacity_metrics, on_stopped=self.model_path.close)
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._tg: TaskGroup | None = None
         self.started_at = datetime.now(UTC)
@@ -142,10 +150,8 @@ class Supervisor:
                     continue  # a fleet's store holds every host's sandboxes
                 idle = (datetime.now(UTC) - rec.last_used_at).total_seconds()
                 chat = (rec.user_id, rec.chat_id)
-                if idle > self.settings.idle_stop_s and not self.locks.chat_busy(*chat):
-                    await self.pool.retire_where(lambda r, c=chat: r.key[:2] == c, "sandbox idle stop")
-                    await self.manager.stop(*chat)
-                    await self.model_path.close(*chat)
+                if idle > self.settings.idle_stop_s and not self.capacity.chat_busy(chat):
+                    await self.capacity.stop(chat, "idle")
 
     def in_turn(self, key: tuple[str, str, str]) -> bool:
         """A turn of this member holds its lock now (the inspector's host view)."""
@@ -155,6 +161,7 @@ class Supervisor:
     async def running(self) -> AsyncIterator["Supervisor"]:
         await self.store.open()  # PostgreSQL: connect and migrate (SQLite: already open)
         await self.recover()
+        await self.capacity.load(self.store)
         async with anyio.create_task_group() as tg, self.model_path.running():
             self._tg = tg
             tg.start_soon(self._beat_loop)
@@ -177,19 +184,32 @@ class Supervisor:
     # -- jobs ------------------------------------------------------------------------------------
 
     async def submit(self, job: Job) -> Submission:
+        """Fence look-up, admission (may wait; ``busy`` at the queue timeout), then the fence's
+        claim. Nothing durable is written before admission (runner.admission)."""
         if self._tg is None:
             raise RuntimeError("supervisor is not running")
-        claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(),
-                                           self.owner)
-        if claim.kind == "conflict":
-            return Submission("conflict")
-        if claim.kind == "done":
-            assert claim.job is not None and claim.job.receipt_json is not None
-            return Submission("done", receipt=Receipt.model_validate_json(claim.job.receipt_json))
-        if claim.kind == "running":
-            return Submission("running")
+        seen = await self.store.get_job(job.user_id, job.job_id)
+        if seen is not None:
+            return _repeat(seen.body_digest != job.digest(), seen.receipt_json)
+        if self.capacity.admission.position_of(job.user_id, job.job_id) is not None:
+            return Submission("running")  # the same job id is already waiting for admission
         stream = JobStream(self.settings.event_buffer_bytes)
-        entry = _Job(job=job, stream=stream)
+        try:
+            grant = await self.capacity.admit(job.user_id, job.chat_id, job.job_id, stream)
+        except HostBusy as busy:
+            log.info("job.host_busy", job_id=job.job_id, waited_ms=busy.waited_ms, position=busy.position)
+            return Submission("busy", busy=busy)
+        try:
+            claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(),
+                                               self.owner)
+        except BaseException:
+            self.capacity.release(grant)
+            raise
+        if claim.kind != "claimed":
+            self.capacity.release(grant)  # dispatched twice while queued: the first one won
+            assert claim.job is not None
+            return _repeat(claim.kind == "conflict", claim.job.receipt_json)
+        entry = _Job(job=job, stream=stream, grant=grant)
         self._jobs[(job.user_id, job.job_id)] = entry
         self._tg.start_soon(self._run_job, entry)
         return Submission("started", events=stream)
@@ -198,6 +218,7 @@ class Supervisor:
         job = entry.job
         last: dict[str, Any] = {"type": "error", "error": "internal_error", "detail": "cancelled"}
         try:
+            await self.capacity.make_room(entry.grant)
             async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
                 receipt = await self.runner.execute(job, entry.stream.emit)
             entry.receipt = receipt
@@ -224,6 +245,7 @@ class Supervisor:
             log.exception("job.crashed", job_id=job.job_id, error=repr(exc))
             last = {"type": "error", "error": "internal_error", "detail": type(exc).__name__}
         finally:
+            self.capacity.release(entry.grant)
             entry.done.set()
             entry.stream.finish(last)
             self._jobs.pop((job.user_id, job.job_id), None)
@@ -251,10 +273,12 @@ class Supervisor:
         receipt = next((Receipt.model_validate(e["receipt"]) for e in events if e.get("type") == "receipt"), None)
         return receipt, events, sub.kind
 
-    async def get_receipt(self, job_id: str, user_id: str) -> Receipt | Literal["running"] | None:
+    async def get_receipt(self, job_id: str, user_id: str) -> Receipt | Literal["running"] | int | None:
+        """The receipt, "running", the queue position (an int) of a job waiting for admission, or None."""
         rec = await self.store.get_job(user_id, job_id)
         if rec is None:
-            return None  # another user's job is indistinguishable from a missing one
+            # another user's job is indistinguishable from a missing one
+            return self.capacity.admission.position_of(user_id, job_id)
         if rec.receipt_json is None:
             return "running"
         return Receipt.model_validate_json(rec.receipt_json)
@@ -292,7 +316,8 @@ class Supervisor:
                 states[rec.state.value] += 1
         text = self.metrics.render(residents=sum(1 for k in self.pool.keys() if self.pool.is_resident(k)),
                                    sandboxes=states)
-        return text + generate_latest(self.model_path.proxy_metrics.registry).decode()
+        return (text + generate_latest(self.model_path.proxy_metrics.registry).decode()
+                + self.capacity_metrics.render())
 
     async def stop_chat(self, user_id: str, chat_id: str) -> bool:
         chat_keys = self.locks.chat_keys(user_id, chat_id)
@@ -319,6 +344,15 @@ class Supervisor:
         key = (user_id, chat_id, member_id)
         async with self.locks.hold(key):
             return await self.pool.retire(key, "retire requested")
+
+
+def _repeat(conflict: bool, receipt_json: str | None) -> Submission:
+    """The answer to a job id the fence has seen: conflict, its receipt, or still running."""
+    if conflict:
+        return Submission("conflict")
+    if receipt_json is not None:
+        return Submission("done", receipt=Receipt.model_validate_json(receipt_json))
+    return Submission("running")
 
 
 def build_supervisor(settings: Settings, gateway_url: str, *, hooks: TestHooks | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -138,11 +139,23 @@ class MemberProcess:
     pidfile: str
 
 
+SandboxWatcher = Callable[[str, str, SandboxState], None]
+
+
 class SandboxManager:
     def __init__(self, engine: Engine, store: Store, config: SandboxConfig) -> None:
         self.engine = engine
         self.store = store
         self.config = config
+        self._watchers: list[SandboxWatcher] = []
+
+    def watch(self, watcher: SandboxWatcher) -> None:
+        """Call ``watcher(user_id, chat_id, state)`` whenever this manager runs, stops or loses a sandbox."""
+        self._watchers.append(watcher)
+
+    def _changed(self, user_id: str, chat_id: str, state: SandboxState) -> None:
+        for watcher in self._watchers:
+            watcher(user_id, chat_id, state)
 
     async def data_root_id(self) -> str:
         """The engine data root's identity, created on first use. Never cached: the data root
@@ -200,6 +213,7 @@ class SandboxManager:
             info, image = await self._check(rec)
         except SandboxLost as lost:
             await self.store.set_sandbox_state(user_id, chat_id, SandboxState.LOST, lost.reason.value)
+            self._changed(user_id, chat_id, SandboxState.LOST)
             log.warning("sandbox.lost", container=rec.container_name, reason=lost.reason.value, detail=lost.detail)
             raise
         started = False
@@ -212,6 +226,7 @@ class SandboxManager:
             await self._gate_ready(info, t)
         rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
         await self.store.touch_sandbox(user_id, chat_id)
+        self._changed(user_id, chat_id, SandboxState.RUNNING)
         return Sandbox(record=rec, container=info, image=image, started=started)
 
     async def _check(self, rec: SandboxRecord) -> tuple[ContainerInfo, ImageInfo]:
@@ -280,6 +295,7 @@ class SandboxManager:
                             image_id=image.id, data_root_id=root, host_id=self.config.host_id,
                             state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
         await self.store.put_sandbox(rec)
+        self._changed(user_id, chat_id, SandboxState.RUNNING)
         log.info("sandbox.created", container=name, image=image.id[:19], network="none")
         await self._gate_ready(info, t)
         return Sandbox(record=rec, container=info, image=image, created=True)
@@ -294,8 +310,10 @@ class SandboxManager:
         try:
             await self.engine.stop(rec.container_id)
         except NotFound:
+            self._changed(user_id, chat_id, SandboxState.STOPPED)  # not running, whatever the record says
             return False
         await self.store.set_sandbox_state(user_id, chat_id, SandboxState.STOPPED)
+        self._changed(user_id, chat_id, SandboxState.STOPPED)
         log.info("sandbox.stopped", container=rec.container_name)
         return True
 

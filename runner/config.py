@@ -61,6 +61,9 @@ class Settings(BaseModel):
     max_turns: int | None = Field(default=32, ge=1, description="CLOUD_AGENT_MAX_TURNS: admitted jobs at once")
     max_running_sandboxes: int | None = Field(default=64, ge=1, description="CLOUD_AGENT_MAX_RUNNING_SANDBOXES")
     queue_timeout_s: float = Field(default=30.0, gt=0, description="CLOUD_AGENT_QUEUE_TIMEOUT_S: then 503 host_busy")
+    resident_memory_mb: int | None = Field(default=None, ge=1,
+                                           description="CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the host's")
+    memory_refresh_s: float = Field(default=5.0, gt=0, description="CLOUD_AGENT_MEMORY_REFRESH_S: reading period")
     event_buffer_bytes: int = Field(default=1024 * 1024, gt=0,
                                     description="CLOUD_AGENT_EVENT_BUFFER_BYTES: per-job stream buffer")
     heartbeat_interval_s: float = Field(default=10.0, description="CLOUD_AGENT_HEARTBEAT_INTERVAL_S")
@@ -93,6 +96,11 @@ class Settings(BaseModel):
             return None
         validate_store_url(v.get_secret_value())
         return v
+
+    def resident_memory_bytes(self) -> int:
+        if self.resident_memory_mb is not None:
+            return self.resident_memory_mb * 1024 * 1024
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
     @property
     def store_path(self) -> Path:
@@ -166,6 +174,7 @@ _ENV = {
     "CLOUD_AGENT_MAX_MESSAGE_BYTES": "max_message_bytes", "CLOUD_AGENT_MAX_BODY_BYTES": "max_body_bytes",
     "CLOUD_AGENT_EVENT_BUFFER_BYTES": "event_buffer_bytes", "CLOUD_AGENT_MAX_TURNS": "max_turns",
     "CLOUD_AGENT_MAX_RUNNING_SANDBOXES": "max_running_sandboxes", "CLOUD_AGENT_QUEUE_TIMEOUT_S": "queue_timeout_s",
+    "CLOUD_AGENT_RESIDENT_MEMORY_MB": "resident_memory_mb", "CLOUD_AGENT_MEMORY_REFRESH_S": "memory_refresh_s",
     "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "CLOUD_AGENT_HOST_ID": "host_id", "CLOUD_AGENT_PROBE_INTERVAL_S": "probe_interval_s",
     "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",

@@ -10,7 +10,7 @@ A key present in the map is exactly a member whose lock is held or awaited: that
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -60,6 +60,26 @@ class MemberLocks:
             entry.users -= 1
             if entry.users == 0:
                 del self._entries[key]
+
+    def try_hold(self, key: MemberKey) -> AbstractAsyncContextManager[None] | None:
+        """The lock at once, or None when anyone holds or awaits it: for work that must never
+        wait on a member (retiring an idle resident), so it can never wait on a turn."""
+        if key in self._entries:
+            return None
+        entry = self._entries[key] = _Entry(users=1)
+        entry.lock.acquire_nowait()
+
+        @asynccontextmanager
+        async def held() -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                entry.lock.release()
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._entries[key]
+
+        return held()
 
     @asynccontextmanager
     async def hold_all(self, keys: Iterable[MemberKey]) -> AsyncIterator[None]:

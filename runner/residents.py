@@ -27,6 +27,9 @@ class Resident:
     kill: Callable[[], Awaitable[None]]  # kills the process group inside the sandbox
     aclose: Callable[[], Awaitable[None]]  # closes our end of the stream
     last_used: float = field(default_factory=time.monotonic)
+    host_init_pid: int | None = None  # the sandbox's init, seen from the host (memory readings)
+    pgid: int | None = None  # in the sandbox, read from the pidfile once
+    measured_bytes: int | None = None  # the last memory reading of its process tree
 
     @property
     def alive(self) -> bool:
@@ -40,6 +43,8 @@ class Resident:
 class ResidentPool:
     def __init__(self, grace_s: float = 3.0) -> None:
         self._residents: dict[MemberKey, Resident] = {}
+        # Retired but not yet dead: their memory is still in use until the kill completes.
+        self._retiring: list[Resident] = []
         self.grace_s = grace_s
 
     def get(self, key: MemberKey) -> Resident | None:
@@ -50,6 +55,12 @@ class ResidentPool:
 
     def keys(self) -> list[MemberKey]:
         return list(self._residents)
+
+    def residents(self) -> list[Resident]:
+        return list(self._residents.values())
+
+    def retiring(self) -> list[Resident]:
+        return list(self._retiring)
 
     def __len__(self) -> int:
         return len(self._residents)
@@ -63,6 +74,15 @@ class ResidentPool:
         r = self._residents.pop(key, None)
         if r is None:
             return False
+        self._retiring.append(r)
+        try:
+            await self._end(r)
+        finally:
+            self._retiring.remove(r)
+        log.info("resident.retired", runtime=r.runtime, why=why)
+        return True
+
+    async def _end(self, r: Resident) -> None:
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.move_on_after(self.grace_s):
@@ -81,8 +101,6 @@ class ResidentPool:
                 await r.aclose()
             except Exception:  # noqa: BLE001
                 pass
-        log.info("resident.retired", runtime=r.runtime, why=why)
-        return True
 
     async def retire_where(self, pred: Callable[[Resident], bool], why: str) -> int:
         n = 0

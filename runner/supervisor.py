@@ -33,6 +33,7 @@ from runner.job_stream import JobStream
 from runner.member_locks import MemberLocks
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
+from runner.resident_memory import ResidentMemory
 from runner.residents import ResidentPool
 from runner.turn import TestHooks, TurnRunner
 from sandbox_manager.engine import DockerEngine, Engine
@@ -88,17 +89,20 @@ class Supervisor:
         self.pool = ResidentPool()
         self.hooks = hooks or TestHooks()
         self.model_path = ModelPath(settings, gateway_url, store, manager, rewrite=self.hooks.rewrite_model_request)
+        self.locks = MemberLocks()
+        self.metrics = Metrics()
+        self.capacity_metrics = CapacityMetrics()
+        self.capacity = HostCapacity(settings, manager=manager, pool=self.pool, locks=self.locks,
+                                     metrics=self.capacity_metrics, on_stopped=self.model_path.close)
+        self.memory = ResidentMemory(settings.resident_memory_bytes(), pool=self.pool, locks=self.locks,
+                                     registry=self.capacity_metrics.registry, refresh_s=settings.memory_refresh_s,
+                                     max_wait_s=settings.turn_timeout_s)
         self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, model_path=self.model_path,
                                  models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks,
-                                 driver_options=driver_options(settings))
+                                 driver_options=driver_options(settings), launch_gate=self.memory.launching)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
-        self.metrics = Metrics()
-        self.capacity_metrics = CapacityMetrics()
-        self.locks = MemberLocks()
-        self.capacity = HostCapacity(settings, manager=manager, pool=self.pool, locks=self.locks,
-                                     metrics=self.capacity_metrics, on_stopped=self.model_path.close)
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._tg: TaskGroup | None = None
         self.started_at = datetime.now(UTC)
@@ -167,6 +171,7 @@ class Supervisor:
             tg.start_soon(self._beat_loop)
             tg.start_soon(self._idle_loop)
             tg.start_soon(self.model_path.purge_loop)
+            tg.start_soon(self.memory.loop)
             try:
                 yield self
             finally:
@@ -246,6 +251,7 @@ class Supervisor:
             last = {"type": "error", "error": "internal_error", "detail": type(exc).__name__}
         finally:
             self.capacity.release(entry.grant)
+            self.memory.notify()  # its resident is idle now: a waiting launch may retire it
             entry.done.set()
             entry.stream.finish(last)
             self._jobs.pop((job.user_id, job.job_id), None)
@@ -304,6 +310,7 @@ class Supervisor:
                 "locator": None if m.locator is None else m.locator.model_dump(),
                 "settled_turns": m.settled_turns, "last_status": m.last_status, "last_outcome": m.last_outcome,
                 "resident": self.pool.is_resident((user_id, chat_id, m.member_id)),
+                "resident_memory_bytes": _measured(self.pool.get((user_id, chat_id, m.member_id))),
                 "forked_from": m.forked_from, "lost_reason": m.lost_reason,
             } for m in members],
             "last_receipts": receipts,
@@ -344,6 +351,10 @@ class Supervisor:
         key = (user_id, chat_id, member_id)
         async with self.locks.hold(key):
             return await self.pool.retire(key, "retire requested")
+
+
+def _measured(resident: Any) -> int | None:
+    return None if resident is None else resident.measured_bytes
 
 
 def _repeat(conflict: bool, receipt_json: str | None) -> Submission:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -45,6 +46,7 @@ from state.store import MemberOutcome, Store, VerifiedTurn
 log = structlog.get_logger("turn")
 
 Emit = Callable[[dict[str, Any]], None]
+LaunchGate = Callable[[tuple[str, str, str], str], AbstractAsyncContextManager[None]]
 
 
 @dataclass
@@ -100,7 +102,8 @@ class TurnContext:
 class TurnRunner:
     def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, model_path: ModelPath,
                  models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
-                 hooks: TestHooks | None = None, driver_options: DriverOptions | None = None) -> None:
+                 hooks: TestHooks | None = None, driver_options: DriverOptions | None = None,
+                 launch_gate: LaunchGate | None = None) -> None:
         self.store = store
         self.manager = manager
         self.pool = pool
@@ -110,6 +113,9 @@ class TurnRunner:
         self.handshake_timeout_s = handshake_timeout_s
         self.hooks = hooks or TestHooks()
         self.driver_options = driver_options or DriverOptions(helper_version=load_pins().helper.version)
+        # Capacity: waits until a new resident may start (the memory budget) and holds its
+        # place until the resident is in the pool.
+        self.launch_gate = launch_gate
 
     def driver(self, runtime: str) -> Driver:
         """The runtime's driver with this host's launch inputs (pins, compaction policy)."""
@@ -270,16 +276,18 @@ class TurnRunner:
             launch: Launch = driver.plan_fork(member_paths(dirs), gateway, parent, pending.at_turn)
         else:
             launch = driver.plan(member_paths(dirs), gateway, resume)
-        proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
-        transport: Transport = exec_transport(proc.stream)
-        if self.hooks.wrap_transport is not None:
-            transport = self.hooks.wrap_transport(transport, job.runtime)
-        session = driver.session(transport, launch)
-        resident = Resident(key=key, runtime=job.runtime, session=session, container_id=sandbox.container_id,
-                            pidfile=proc.pidfile,
-                            kill=lambda: self.manager.kill_group(proc.container_id, proc.pidfile),
-                            aclose=proc.stream.aclose)
-        self.pool.add(resident)
+        async with self.launch_gate(key, job.runtime) if self.launch_gate else nullcontext():
+            proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
+            transport: Transport = exec_transport(proc.stream)
+            if self.hooks.wrap_transport is not None:
+                transport = self.hooks.wrap_transport(transport, job.runtime)
+            session = driver.session(transport, launch)
+            resident = Resident(key=key, runtime=job.runtime, session=session, container_id=sandbox.container_id,
+                                pidfile=proc.pidfile,
+                                kill=lambda: self.manager.kill_group(proc.container_id, proc.pidfile),
+                                aclose=proc.stream.aclose,
+                                host_init_pid=sandbox.container.attrs.get("State", {}).get("Pid") or None)
+            self.pool.add(resident)
         try:
             with anyio.fail_after(self.handshake_timeout_s):
                 await session.handshake()

@@ -123,3 +123,16 @@ async def test_hold_all_takes_keys_in_one_order_so_crossed_callers_do_not_deadlo
             tg.start_soon(both, "ab", [a, b])
             tg.start_soon(both, "ba", [b, a])
     assert sorted(done) == ["ab", "ba"] and len(locks) == 0
+
+
+async def test_try_hold_never_waits_and_refuses_a_held_or_awaited_lock() -> None:
+    locks = MemberLocks()
+    key = ("u", "c", "m")
+    held = locks.try_hold(key)
+    assert held is not None
+    async with held:
+        assert locks.busy(key) and locks.try_hold(key) is None
+    assert len(locks) == 0
+    async with locks.hold(key):
+        assert locks.try_hold(key) is None
+    assert len(locks) == 0

@@ -1,0 +1,86 @@
+"""The resident memory budget's policy (CLOUD_AGENT_RESIDENT_MEMORY_MB), pure.
+
+Given what each resident costs (measured, or the runtime's estimate until it has been),
+which of them are busy and when each was last used, it decides which idle residents to
+retire — least recently used first — so that a new resident fits, or so that growth of
+the residents in turns is taken back under the budget. It never picks a busy resident.
+It retires nothing when retiring every idle resident would still not make room: the
+launch then waits for a turn to end rather than costing other members their LIVE turns
+for nothing. A runtime's estimate is the largest it was ever measured at, never below a
+floor from the measured baselines (protocols/baselines.md: idle and peak RSS per CLI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+
+# Peak RSS of each pinned CLI's tree in a sandbox, rounded up (protocols/baselines.md).
+FLOOR_ESTIMATES: Mapping[str, int] = {
+    "claude": 300 * MiB, "codex": 160 * MiB, "pi": 180 * MiB, "opencode": 620 * MiB, "kilo": 640 * MiB,
+}
+
+MemberKey = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class ResidentUse:
+    key: MemberKey
+    runtime: str
+    measured: int | None  # bytes; None until its first measurement
+    last_used: float
+    busy: bool
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    retire: tuple[MemberKey, ...]
+    fits: bool
+    used: int  # bytes in use after the retirements
+    need: int  # bytes the new resident is expected to take
+
+
+class BudgetPolicy:
+    def __init__(self, budget_bytes: int, floors: Mapping[str, int] = FLOOR_ESTIMATES) -> None:
+        self.budget = budget_bytes
+        self._estimates = dict(floors)
+        self._default = max(floors.values(), default=0)
+
+    def estimate(self, runtime: str) -> int:
+        return self._estimates.get(runtime, self._default)
+
+    def learn(self, runtime: str, measured: int) -> None:
+        self._estimates[runtime] = max(self.estimate(runtime), measured)
+
+    def cost(self, use: ResidentUse) -> int:
+        return use.measured if use.measured is not None else self.estimate(use.runtime)
+
+    def used(self, uses: Iterable[ResidentUse], reserved: int = 0) -> int:
+        return sum(self.cost(u) for u in uses) + reserved
+
+    def plan(self, uses: list[ResidentUse], incoming: str | None = None, reserved: int = 0) -> BudgetPlan:
+        """Retirements that make ``incoming`` (a runtime about to launch, or None) fit.
+
+        ``reserved``: bytes of launches already decided but not yet resident. A launch
+        into an empty host always fits: one resident larger than the budget must still run.
+        """
+        need = self.estimate(incoming) if incoming is not None else 0
+        used = self.used(uses, reserved)
+        if used + need <= self.budget:
+            return BudgetPlan((), True, used, need)
+        if incoming is not None and not uses and reserved == 0:
+            return BudgetPlan((), True, used, need)
+        retire: list[MemberKey] = []
+        left = used
+        for use in sorted((u for u in uses if not u.busy), key=lambda u: u.last_used):
+            if left + need <= self.budget:
+                break
+            retire.append(use.key)
+            left -= self.cost(use)
+        if left + need <= self.budget:
+            return BudgetPlan(tuple(retire), True, left, need)
+        if incoming is None:
+            return BudgetPlan(tuple(retire), False, left, need)  # growth: take back what can be taken
+        return BudgetPlan((), False, used, need)

@@ -1,0 +1,192 @@
+"""The resident memory budget at work: readings, the launch gate and the periodic check.
+
+Readings come from the host (sandbox_manager.proc_memory, in a worker thread) and are
+cached: refreshed on a period and before every launch. A launch first reserves its
+runtime's estimate — so concurrent launches never count the same room twice — after the
+retirements its plan needs have completed (their memory is counted until the kill is
+done), and the reservation ends once the resident is in the pool (counted by its estimate
+until its first reading). Retiring takes the member's lock without waiting: a resident
+whose member has work in flight or waiting is busy and never retired for the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from runner.member_locks import MemberLocks
+from runner.memory_budget import BudgetPolicy, MemberKey, ResidentUse
+from runner.residents import Resident, ResidentPool
+from sandbox_manager.proc_memory import GroupMemory, ProcMemory
+
+log = structlog.get_logger("memory_budget")
+
+
+class BudgetMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.budget = Gauge("cloud_agent_resident_memory_budget_bytes", "CLOUD_AGENT_RESIDENT_MEMORY_MB.", registry=r)
+        self.used = Gauge("cloud_agent_resident_memory_used_bytes",
+                          "RSS of every resident CLI's process tree at the last reading (what the budget counts).",
+                          registry=r)
+        self.pss = Gauge("cloud_agent_resident_memory_pss_bytes",
+                         "PSS of the same trees (pages they share counted once).", registry=r)
+        self.retirements = Counter("cloud_agent_resident_memory_retirements",
+                                   "Idle residents retired for the budget, by cause (launch: room for a new "
+                                   "resident; over_budget: growth of residents in turns).", ["cause"], registry=r)
+        self.waits = Counter("cloud_agent_resident_memory_launch_waits",
+                             "Launches that waited for a turn to end before they fitted.", registry=r)
+        self.overcommits = Counter("cloud_agent_resident_memory_overcommits",
+                                   "Launches that went ahead over budget after waiting a whole turn timeout.",
+                                   registry=r)
+
+
+class ResidentMemory:
+    def __init__(self, budget_bytes: int, *, pool: ResidentPool, locks: MemberLocks, registry: CollectorRegistry,
+                 refresh_s: float, max_wait_s: float, reader: ProcMemory | None = None) -> None:
+        self.policy = BudgetPolicy(budget_bytes)
+        self.pool = pool
+        self.locks = locks
+        self.refresh_s = refresh_s
+        self.max_wait_s = max_wait_s
+        self.reader = reader or ProcMemory()
+        self.metrics = BudgetMetrics(registry)
+        self.metrics.budget.set(budget_bytes)
+        self.reserved: dict[MemberKey, int] = {}
+        self._pss: dict[int, int] = {}  # id(resident) -> its last PSS reading
+        self.last_reading = 0.0
+        self._reading = anyio.Lock()
+        self._changed = anyio.Event()
+
+    # -- readings -------------------------------------------------------------------------------
+
+    def _residents(self) -> list[Resident]:
+        return self.pool.residents() + self.pool.retiring()
+
+    def _read_sync(self, residents: list[Resident]) -> dict[int, GroupMemory | None]:
+        """Blocking: pgid (read once) and the reading of each resident, by id(resident)."""
+        by_init: dict[int, list[Resident]] = {}
+        for r in residents:
+            if r.host_init_pid is None:
+                continue
+            if r.pgid is None:
+                r.pgid = self.reader.read_pidfile(r.host_init_pid, r.pidfile)
+            if r.pgid is not None:
+                by_init.setdefault(r.host_init_pid, []).append(r)
+        out: dict[int, GroupMemory | None] = {}
+        for init_pid, group in by_init.items():
+            found = self.reader.measure(init_pid, {r.pgid for r in group if r.pgid is not None})
+            for r in group:
+                out[id(r)] = found.get(r.pgid) if r.pgid is not None else None
+        return out
+
+    async def refresh(self) -> int:
+        """Read every resident's memory now; returns the bytes in use."""
+        async with self._reading:
+            residents = self._residents()
+            readings = await anyio.to_thread.run_sync(self._read_sync, residents)
+            for r in residents:
+                mem = readings.get(id(r))
+                if mem is not None:
+                    r.measured_bytes = mem.bytes
+                    self._pss[id(r)] = mem.pss_bytes
+                    self.policy.learn(r.runtime, max(mem.bytes, mem.hwm_bytes))  # a launch may need its peak
+            self.last_reading = time.monotonic()
+            self._publish()
+            return self.policy.used(self.uses())
+
+    def _publish(self) -> None:
+        residents = self._residents()
+        self.metrics.used.set(sum(r.measured_bytes or 0 for r in residents))
+        live = {id(r) for r in residents}
+        self._pss = {k: v for k, v in self._pss.items() if k in live}
+        self.metrics.pss.set(sum(self._pss.values()))
+
+    def uses(self, *, dying: bool = True) -> list[ResidentUse]:
+        live = [ResidentUse(key=r.key, runtime=r.runtime, measured=r.measured_bytes, last_used=r.last_used,
+                            busy=self.locks.busy(r.key)) for r in self.pool.residents()]
+        gone = [ResidentUse(key=r.key, runtime=r.runtime, measured=r.measured_bytes, last_used=r.last_used,
+                            busy=True) for r in self.pool.retiring()] if dying else []
+        return live + gone
+
+    def notify(self) -> None:
+        """Something may have come free (a turn ended, a resident retired)."""
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    # -- retiring ---------------------------------------------------------------------------------
+
+    async def _retire(self, keys: tuple[MemberKey, ...], cause: str) -> int:
+        done = 0
+        for key in keys:
+            held = self.locks.try_hold(key)
+            if held is None:
+                continue  # became busy since the plan
+            async with held:
+                if await self.pool.retire(key, f"memory budget: {cause}"):
+                    done += 1
+                    self.metrics.retirements.labels(cause=cause).inc()
+        if done:
+            self._publish()
+            self.notify()
+        return done
+
+    # -- the launch gate --------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def launching(self, key: MemberKey, runtime: str) -> AsyncIterator[None]:
+        await self._make_room(key, runtime)
+        try:
+            yield
+        finally:
+            self.reserved.pop(key, None)
+
+    async def _make_room(self, key: MemberKey, runtime: str) -> None:
+        deadline = time.monotonic() + self.max_wait_s
+        waited = False
+        while True:
+            await self.refresh()
+            plan = self.policy.plan(self.uses(), runtime, sum(self.reserved.values()))
+            if plan.fits:
+                self.reserved[key] = plan.need
+                if await self._retire(plan.retire, "launch") == len(plan.retire):
+                    return
+                del self.reserved[key]  # one of them became busy: plan again
+                continue
+            if time.monotonic() > deadline:
+                self.metrics.overcommits.inc()
+                log.warning("memory_budget.overcommit", runtime=runtime, used=plan.used, need=plan.need,
+                            budget=self.policy.budget)
+                self.reserved[key] = plan.need
+                return
+            if not waited:
+                waited = True
+                self.metrics.waits.inc()
+                log.info("memory_budget.launch_waits", runtime=runtime, used=plan.used, need=plan.need,
+                         budget=self.policy.budget)
+            with anyio.move_on_after(1.0):  # or as soon as a turn ends or a resident retires
+                await self._changed.wait()
+
+    # -- the periodic check -----------------------------------------------------------------------
+
+    async def check(self) -> int:
+        """Growth of residents in turns: retire LRU idle ones until back under the budget."""
+        await self.refresh()
+        # Only residents that stay count here: launches in progress already made their room,
+        # and a resident being retired is on its way out (counting either would retire a
+        # second idle resident for a moment's overlap).
+        plan = self.policy.plan(self.uses(dying=False), None)
+        return await self._retire(plan.retire, "over_budget") if plan.retire else 0
+
+    async def loop(self) -> None:
+        while True:
+            await anyio.sleep(self.refresh_s)
+            try:
+                await self.check()
+            except Exception as exc:  # noqa: BLE001 - a reading must never take the daemon down
+                log.warning("memory_budget.check_failed", error=repr(exc))

@@ -1,0 +1,148 @@
+"""Memory of process groups inside a sandbox, read from the host — no exec per reading.
+
+Each resident CLI is a process-group leader whose in-container pid (= its pgid) is in its
+pidfile. From the host: the container's init pid (the engine's ``State.Pid``) names its
+cgroup (``/proc/<pid>/cgroup``; cgroup v1 or v2, detected), whose ``cgroup.procs`` lists
+the host pids of every process in the sandbox; ``NSpid`` in ``/proc/<pid>/status`` maps
+each to its in-container pid, and ``/proc/<pid>/stat`` gives its process group and
+parent. A group's memory is the sum over its processes and their descendants (a child
+that left the group still belongs to the resident) of RSS (``VmRSS``) and of PSS
+(``smaps_rollup``). Everything here is blocking file I/O: call it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    pgid: int  # in the container's pid namespace
+    pids: int
+    rss_bytes: int
+    pss_bytes: int
+    hwm_bytes: int  # the sum of each process's peak RSS (VmHWM): what the group has needed at most
+
+    @property
+    def bytes(self) -> int:
+        """What the budget counts: RSS. PSS splits the pages residents of one image share (the
+        CLI binary), so one resident's PSS halves when a second starts and doubles back when
+        it retires; RSS is stable, and its sum never under-counts what the residents use."""
+        return self.rss_bytes
+
+
+@dataclass(frozen=True)
+class _Proc:
+    host_pid: int
+    ns_pid: int
+    ppid: int  # host
+    pgrp: int  # host
+    rss_bytes: int
+    hwm_bytes: int
+
+
+class ProcMemory:
+    def __init__(self, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", pss: bool = True) -> None:
+        self.proc = Path(proc)
+        self.cgroup_root = Path(cgroup_root)
+        self.pss = pss
+
+    def available(self) -> bool:
+        return (self.proc / "self" / "status").exists()
+
+    def cgroup_procs_file(self, init_pid: int) -> Path | None:
+        """The cgroup.procs of the container whose init has host pid ``init_pid``."""
+        try:
+            lines = (self.proc / str(init_pid) / "cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        candidates: list[Path] = []
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":  # the unified (v2) hierarchy: alone, or beside v1 ("hybrid")
+                candidates += [self.cgroup_root / rel, self.cgroup_root / "unified" / rel]
+            elif "memory" in controllers.split(",") or "pids" in controllers.split(","):
+                candidates.insert(0, self.cgroup_root / controllers / rel)
+        for cand in candidates:
+            procs = cand / "cgroup.procs"
+            try:
+                if str(init_pid) in procs.read_text().split():
+                    return procs
+            except OSError:
+                continue
+        return None
+
+    def read_pidfile(self, init_pid: int, path: str) -> int | None:
+        """An in-container pidfile, through the init's root (the container's filesystem)."""
+        try:
+            text = (self.proc / str(init_pid) / "root" / path.lstrip("/")).read_text().strip()
+            return int(text) if text else None
+        except (OSError, ValueError):
+            return None
+
+    def _read(self, host_pid: int) -> _Proc | None:
+        base = self.proc / str(host_pid)
+        try:
+            stat = (base / "stat").read_text()
+            status = (base / "status").read_text()
+        except OSError:
+            return None  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # comm may hold spaces and parentheses
+        ppid, pgrp = int(fields[1]), int(fields[2])
+        ns_pid, rss, hwm = host_pid, 0, 0
+        for line in status.splitlines():
+            if line.startswith("NSpid:"):
+                ns_pid = int(line.split()[-1])  # the innermost namespace: the container's
+            elif line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+        return _Proc(host_pid=host_pid, ns_pid=ns_pid, ppid=ppid, pgrp=pgrp, rss_bytes=rss, hwm_bytes=hwm)
+
+    def _pss(self, host_pid: int) -> int:
+        try:
+            for line in (self.proc / str(host_pid) / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def measure(self, init_pid: int, pgids: set[int]) -> dict[int, GroupMemory]:
+        """Memory of each named in-container process group (missing groups are left out)."""
+        procs_file = self.cgroup_procs_file(init_pid)
+        if procs_file is None:
+            return {}
+        try:
+            host_pids = [int(p) for p in procs_file.read_text().split()]
+        except OSError:
+            return {}
+        procs = [p for p in (self._read(pid) for pid in host_pids) if p is not None]
+        by_ns = {p.ns_pid: p for p in procs}
+        children: dict[int, list[_Proc]] = {}
+        for p in procs:
+            children.setdefault(p.ppid, []).append(p)
+        out: dict[int, GroupMemory] = {}
+        for pgid in pgids:
+            leader = by_ns.get(pgid)
+            if leader is None or leader.pgrp != leader.host_pid:
+                continue  # gone, or the pid was reused by something that is not a group leader
+            members = {p.host_pid: p for p in procs if p.pgrp == leader.host_pid}
+            todo = list(members.values())
+            while todo:
+                for child in children.get(todo.pop().host_pid, []):
+                    if child.host_pid not in members:
+                        members[child.host_pid] = child
+                        todo.append(child)
+            rss = sum(p.rss_bytes for p in members.values())
+            hwm = sum(max(p.hwm_bytes, p.rss_bytes) for p in members.values())
+            pss = sum(self._pss(pid) for pid in members) if self.pss else 0
+            out[pgid] = GroupMemory(pgid=pgid, pids=len(members), rss_bytes=rss, pss_bytes=pss, hwm_bytes=hwm)
+        return out
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

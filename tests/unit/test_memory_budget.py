@@ -1,0 +1,181 @@
+"""The resident memory budget: the pure policy, and the launch gate over fake readings."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from runner.member_locks import MemberLocks
+from runner.memory_budget import FLOOR_ESTIMATES, BudgetPolicy, ResidentUse
+from runner.resident_memory import ResidentMemory
+from runner.residents import Resident, ResidentPool
+from sandbox_manager.proc_memory import GroupMemory
+
+MiB = 1024 * 1024
+
+
+def sample(registry: CollectorRegistry, name: str) -> float:
+    text = generate_latest(registry).decode()
+    return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def use(name: str, mib: int | None, last: float, busy: bool = False, runtime: str = "codex") -> ResidentUse:
+    return ResidentUse(key=("u", "c", name), runtime=runtime, measured=None if mib is None else mib * MiB,
+                       last_used=last, busy=busy)
+
+
+def keys(plan) -> list[str]:
+    return [k[2] for k in plan.retire]
+
+
+def test_a_launch_that_fits_retires_nothing() -> None:
+    policy = BudgetPolicy(1000 * MiB)
+    plan = policy.plan([use("a", 300, 1), use("b", 300, 2)], "codex")
+    assert (keys(plan), plan.fits, plan.used, plan.need) == ([], True, 600 * MiB, FLOOR_ESTIMATES["codex"])
+
+
+def test_the_least_recently_used_idle_resident_makes_room() -> None:
+    policy = BudgetPolicy(1000 * MiB)
+    uses = [use("b", 300, 2), use("a", 300, 1), use("c", 300, 3)]
+    assert keys(policy.plan(uses, "codex")) == ["a"]
+    busy_a = [use("b", 300, 2), use("a", 300, 1, busy=True), use("c", 300, 3)]
+    assert keys(policy.plan(busy_a, "codex")) == ["b"]  # never a resident in a turn
+    assert keys(policy.plan(uses, "kilo")) == ["a", "b"]  # 640 MiB needs two of them
+
+
+def test_nothing_is_retired_when_even_every_idle_one_would_not_make_room() -> None:
+    policy = BudgetPolicy(1000 * MiB)
+    plan = policy.plan([use("a", 450, 1, busy=True), use("b", 450, 2, busy=True), use("c", 50, 0)], "codex")
+    assert (keys(plan), plan.fits) == ([], False)
+
+
+def test_an_empty_host_always_fits_and_reservations_count() -> None:
+    policy = BudgetPolicy(100 * MiB)
+    assert policy.plan([], "kilo").fits  # one resident bigger than the budget must still run
+    assert not policy.plan([], "kilo", reserved=1).fits
+    policy = BudgetPolicy(1000 * MiB)
+    assert keys(policy.plan([use("a", 300, 1), use("b", 300, 2)], "codex", reserved=300 * MiB)) == ["a"]
+
+
+def test_growth_is_taken_back_from_idle_residents_only() -> None:
+    policy = BudgetPolicy(1000 * MiB)
+    uses = [use("a", 500, 3, busy=True), use("b", 400, 1), use("c", 300, 2)]
+    plan = policy.plan(uses, None)
+    assert (keys(plan), plan.fits, plan.used) == (["b"], True, 800 * MiB)
+    all_busy = [use("a", 700, 1, busy=True), use("b", 400, 2, busy=True)]
+    assert (keys(policy.plan(all_busy, None)), policy.plan(all_busy, None).fits) == ([], False)
+
+
+def test_estimates_never_go_below_the_floor_and_learn_the_largest_reading() -> None:
+    policy = BudgetPolicy(1000 * MiB)
+    policy.learn("codex", 10 * MiB)
+    assert policy.estimate("codex") == FLOOR_ESTIMATES["codex"]
+    policy.learn("codex", 200 * MiB)
+    policy.learn("codex", 150 * MiB)
+    assert policy.estimate("codex") == 200 * MiB
+    assert policy.cost(use("x", None, 0)) == 200 * MiB  # unmeasured: the estimate
+    assert policy.estimate("unknown-runtime") == max(FLOOR_ESTIMATES.values())
+
+
+# -- the launch gate ----------------------------------------------------------------------------
+
+
+class FakeReader:
+    """Every resident's group reads as ``sizes[pgid]`` MiB; pidfiles name their pgid."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+
+    def read_pidfile(self, init_pid: int, path: str) -> int | None:
+        return int(path.rsplit("/", 1)[1].split(".")[0])
+
+    def measure(self, init_pid: int, pgids: set[int]) -> dict[int, GroupMemory]:
+        return {p: GroupMemory(pgid=p, pids=1, rss_bytes=self.sizes[p] * MiB, pss_bytes=self.sizes[p] * MiB,
+                            hwm_bytes=self.sizes[p] * MiB)
+                for p in pgids if p in self.sizes}
+
+
+def resident(pool: ResidentPool, reader: FakeReader, name: str, pgid: int, mib: int, last: float) -> Resident:
+    async def nothing(*args: Any) -> None:
+        return None
+
+    async def eof() -> None:
+        return None
+
+    session = SimpleNamespace(transport=SimpleNamespace(alive=True, receive=eof), locator=None, close=nothing)
+    r = Resident(key=("u", "c", name), runtime="codex", session=session, container_id="ctr",  # type: ignore[arg-type]
+                 pidfile=f"/run/{pgid}.pid", kill=nothing, aclose=nothing, last_used=last, host_init_pid=1)
+    reader.sizes[pgid] = mib
+    pool.add(r)
+    return r
+
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_gate_retires_the_lru_idle_resident_and_waits_for_a_busy_one() -> None:
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    registry = CollectorRegistry()
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60, max_wait_s=30,
+                         reader=reader)  # type: ignore[arg-type]
+    resident(pool, reader, "a", 11, 150, last=1)
+    resident(pool, reader, "b", 12, 150, last=2)
+    resident(pool, reader, "c", 13, 150, last=3)
+    async with mem.launching(("u", "c", "d"), "codex"):  # 450 + 160 > 500: the LRU idle one goes
+        assert mem.reserved == {("u", "c", "d"): FLOOR_ESTIMATES["codex"]}
+    assert sorted(k[2] for k in pool.keys()) == ["b", "c"] and mem.reserved == {}
+    resident(pool, reader, "d", 14, 150, last=4)
+    order: list[str] = []
+
+    async def turn(name: str, release: anyio.Event) -> None:
+        async with locks.hold(("u", "c", name)):
+            await release.wait()
+            order.append(f"{name} ended")
+        mem.notify()
+
+    b_done, c_done, d_done = anyio.Event(), anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        for name, ev in (("b", b_done), ("c", c_done), ("d", d_done)):
+            tg.start_soon(turn, name, ev)
+        await anyio.wait_all_tasks_blocked()
+
+        async def launch_e() -> None:
+            async with mem.launching(("u", "c", "e"), "codex"):
+                order.append("e launched")
+
+        tg.start_soon(launch_e)
+        await anyio.wait_all_tasks_blocked()
+        assert order == [] and sorted(k[2] for k in pool.keys()) == ["b", "c", "d"]  # all busy: it waits
+        c_done.set()  # c's turn ends: c is idle, though b is the least recently used
+        await anyio.wait_all_tasks_blocked()
+        b_done.set()
+        d_done.set()
+    assert order[:2] == ["c ended", "e launched"]
+    assert sorted(k[2] for k in pool.keys()) == ["b", "d"]
+    text = generate_latest(registry).decode()
+    assert 'cloud_agent_resident_memory_retirements_total{cause="launch"} 2.0' in text
+    assert "cloud_agent_resident_memory_launch_waits_total 1.0" in text
+    assert sample(registry, "cloud_agent_resident_memory_budget_bytes") == 500 * MiB
+
+
+async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    registry = CollectorRegistry()
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60, max_wait_s=30,
+                         reader=reader)  # type: ignore[arg-type]
+    resident(pool, reader, "a", 11, 100, last=1)
+    resident(pool, reader, "b", 12, 100, last=2)
+    resident(pool, reader, "c", 13, 200, last=3)
+    assert await mem.check() == 0
+    async with locks.hold(("u", "c", "c")):
+        reader.sizes[13] = 390  # c grows in its turn
+        assert await mem.check() == 1  # a goes; c, in a turn, is never retired
+    assert sorted(k[2] for k in pool.keys()) == ["b", "c"]
+    assert 'cloud_agent_resident_memory_retirements_total{cause="over_budget"} 1.0' in generate_latest(
+        registry).decode()
+    assert sample(registry, "cloud_agent_resident_memory_used_bytes") == 490 * MiB

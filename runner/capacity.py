@@ -93,5 +93,31 @@ class HostCapacity:
             log.info("sandbox.stopped_for_capacity", cause=cause)
         return stopped
 
+    async def force_stop(self, chat: Chat, reason: str) -> bool:
+        """Stop now and keep stopped with ``reason``, a turn in flight or not (disk_quota)."""
+        try:
+            await self.manager.block(*chat, reason)  # first: a turn resolving meanwhile is refused
+            await self.pool.retire_where(lambda r: r.key[:2] == chat, f"sandbox stop: {reason}")
+            stopped = await self.manager.stop(*chat)
+        finally:
+            self.room.mark_stopped(chat)
+            self.admission.dispatch()
+        self.metrics.sandbox_stops.labels(cause=reason).inc()
+        return stopped
+
+    async def expire(self, chat: Chat, reason: str) -> bool:
+        """Remove the chat's sandbox for good (retention); jobs for it wait meanwhile."""
+        self.room.evicting.add(chat)
+        try:
+            await self.pool.retire_where(lambda r: r.key[:2] == chat, f"sandbox removed: {reason}")
+            removed = await self.manager.expire(*chat, reason)
+        finally:
+            self.room.mark_stopped(chat)
+            self.admission.dispatch()
+        if removed:
+            self.metrics.sandbox_removals.labels(cause=reason).inc()
+            log.info("sandbox.removed", cause=reason)
+        return removed
+
     def release(self, grant: Grant) -> None:
         self.admission.release(grant)

@@ -29,6 +29,8 @@ class CapacityMetrics:
                                      "CLOUD_AGENT_MAX_RUNNING_SANDBOXES (0: unlimited).", registry=r)
         self.sandbox_stops = Counter("cloud_agent_sandbox_stops", "Sandboxes stopped by the daemon, by cause.",
                                      ["cause"], registry=r)
+        self.sandbox_removals = Counter("cloud_agent_sandbox_removals", "Sandboxes removed by the daemon, by cause.",
+                                        ["cause"], registry=r)
 
     def watch(self, *, depth: Callable[[], int], running: Callable[[], int], sandboxes: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)

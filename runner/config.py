@@ -64,6 +64,12 @@ class Settings(BaseModel):
     resident_memory_mb: int | None = Field(default=None, ge=1,
                                            description="CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the host's")
     memory_refresh_s: float = Field(default=5.0, gt=0, description="CLOUD_AGENT_MEMORY_REFRESH_S: reading period")
+    sandbox_disk_mb: int | None = Field(default=10240, ge=1,
+                                        description="CLOUD_AGENT_SANDBOX_DISK_MB: per-sandbox disk bound")
+    retain_days: float | None = Field(default=30.0, gt=0,
+                                      description="CLOUD_AGENT_RETAIN_DAYS: unused sandboxes are removed after")
+    sweep_interval_s: float = Field(default=60.0, gt=0,
+                                    description="CLOUD_AGENT_SWEEP_INTERVAL_S: disk scans and retention")
     event_buffer_bytes: int = Field(default=1024 * 1024, gt=0,
                                     description="CLOUD_AGENT_EVENT_BUFFER_BYTES: per-job stream buffer")
     heartbeat_interval_s: float = Field(default=10.0, description="CLOUD_AGENT_HEARTBEAT_INTERVAL_S")
@@ -175,6 +181,8 @@ _ENV = {
     "CLOUD_AGENT_EVENT_BUFFER_BYTES": "event_buffer_bytes", "CLOUD_AGENT_MAX_TURNS": "max_turns",
     "CLOUD_AGENT_MAX_RUNNING_SANDBOXES": "max_running_sandboxes", "CLOUD_AGENT_QUEUE_TIMEOUT_S": "queue_timeout_s",
     "CLOUD_AGENT_RESIDENT_MEMORY_MB": "resident_memory_mb", "CLOUD_AGENT_MEMORY_REFRESH_S": "memory_refresh_s",
+    "CLOUD_AGENT_SANDBOX_DISK_MB": "sandbox_disk_mb", "CLOUD_AGENT_RETAIN_DAYS": "retain_days",
+    "CLOUD_AGENT_SWEEP_INTERVAL_S": "sweep_interval_s",
     "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "CLOUD_AGENT_HOST_ID": "host_id", "CLOUD_AGENT_PROBE_INTERVAL_S": "probe_interval_s",
     "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",

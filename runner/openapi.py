@@ -63,7 +63,12 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"200": {"description": "receipt", "content": {"application/json": {"schema": _ref("Receipt")}}},
                           "202": {"description": ("still running: {job_id, status: running}, or waiting for admission: "
                                                      "{job_id, status: queued, position}")}, "404": {"description": "not found", "content": e}}}},
-        "/v1/users/{user_id}/chats/{chat_id}": {"get": {"summary": "Sandbox state, members, last receipts",
+        "/v1/users/{user_id}/chats/{chat_id}": {"get": {
+            "summary": "Sandbox state, members, last receipts",
+            "description": ("sandbox: state (running|stopped|lost), lost_reason, stop_reason (disk_quota: kept "
+                            "stopped, turns refused), expires_at (when retention will remove it; null once "
+                            "LOST), last_used_at; members: runtime, locator, settled turns, resident, "
+                            "resident_memory_bytes (last reading), lost_reason (e.g. retention_expired)"),
                                                         "parameters": chat, "responses": {"200": {"description": "status"}, "404": {"description": "not found"}}}},
         "/v1/users/{user_id}/chats/{chat_id}/stop": {"post": {"summary": "Idle-stop the sandbox (writable layer kept)",
                                                               "parameters": chat, "responses": {"200": {"description": "stopped"}}}},

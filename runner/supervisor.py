@@ -35,6 +35,7 @@ from runner.metrics import Metrics
 from runner.model_path import ModelPath
 from runner.resident_memory import ResidentMemory
 from runner.residents import ResidentPool
+from runner.sweeps import Sweeps
 from runner.turn import TestHooks, TurnRunner
 from sandbox_manager.engine import DockerEngine, Engine
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
@@ -94,6 +95,7 @@ class Supervisor:
         self.capacity_metrics = CapacityMetrics()
         self.capacity = HostCapacity(settings, manager=manager, pool=self.pool, locks=self.locks,
                                      metrics=self.capacity_metrics, on_stopped=self.model_path.close)
+        self.sweeps = Sweeps(store=store, capacity=self.capacity, retain_days=settings.retain_days)
         self.memory = ResidentMemory(settings.resident_memory_bytes(), pool=self.pool, locks=self.locks,
                                      registry=self.capacity_metrics.registry, refresh_s=settings.memory_refresh_s,
                                      max_wait_s=settings.turn_timeout_s)
@@ -161,6 +163,15 @@ class Supervisor:
         """A turn of this member holds its lock now (the inspector's host view)."""
         return self.locks.held(key)
 
+    async def _sweep_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.settings.sweep_interval_s)
+            for sweep in (self.sweeps.disk, self.sweeps.retention):
+                try:
+                    await sweep()
+                except Exception as exc:  # noqa: BLE001 - the engine may be down; the next sweep retries
+                    log.warning("sweep.failed", sweep=sweep.__name__, error=repr(exc))
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Supervisor"]:
         await self.store.open()  # PostgreSQL: connect and migrate (SQLite: already open)
@@ -172,6 +183,7 @@ class Supervisor:
             tg.start_soon(self._idle_loop)
             tg.start_soon(self.model_path.purge_loop)
             tg.start_soon(self.memory.loop)
+            tg.start_soon(self._sweep_loop)
             try:
                 yield self
             finally:
@@ -301,7 +313,8 @@ class Supervisor:
         return {
             "user_id": user_id, "chat_id": chat_id,
             "sandbox": None if sb is None else {
-                "state": sb.state.value, "lost_reason": sb.lost_reason, "container_id": sb.container_id,
+                "state": sb.state.value, "lost_reason": sb.lost_reason, "stop_reason": sb.stop_reason,
+                "expires_at": _iso(self.sweeps.expires_at(sb)), "container_id": sb.container_id,
                 "container_name": sb.container_name, "image_id": sb.image_id,
                 "last_used_at": sb.last_used_at.isoformat(),
             },
@@ -353,6 +366,10 @@ class Supervisor:
             return await self.pool.retire(key, "retire requested")
 
 
+def _iso(ts: datetime | None) -> str | None:
+    return None if ts is None else ts.isoformat()
+
+
 def _measured(resident: Any) -> int | None:
     return None if resident is None else resident.measured_bytes
 
@@ -374,6 +391,7 @@ def build_supervisor(settings: Settings, gateway_url: str, *, hooks: TestHooks |
     cfg = SandboxConfig(image=image, socket_root=str(settings.check_socket_root()),
                         host_id=settings.resolved_host_id(), memory_bytes=settings.memory_bytes,
                         pids_limit=settings.pids_limit, nano_cpus=settings.nano_cpus,
+                        disk_bytes=None if settings.sandbox_disk_mb is None else settings.sandbox_disk_mb * 1024 * 1024,
                         require_helper=carries_bridge(load_pins()))
     manager = SandboxManager(engine, store, cfg)
     return Supervisor(settings, engine=engine, store=store, manager=manager, gateway_url=gateway_url, hooks=hooks)

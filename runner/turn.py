@@ -37,7 +37,14 @@ from runner.processes import member_paths, start_in_sandbox
 from runner.residents import Resident, ResidentPool
 from runner.model_path import ModelPath
 from runner.transport import exec_transport
-from sandbox_manager.sandboxes import ImageRefused, ModelGateNotReady, Sandbox, SandboxLost, SandboxManager
+from sandbox_manager.sandboxes import (
+    ImageRefused,
+    ModelGateNotReady,
+    Sandbox,
+    SandboxLost,
+    SandboxManager,
+    SandboxRefused,
+)
 from state.jobs import Job
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
 from state.records import MemberRecord, SavedLocator
@@ -233,6 +240,9 @@ class TurnRunner:
             await self.pool.retire_where(lambda r: r.key[:2] == key[:2], "sandbox lost")
             ctx.timings.sandbox = ctx.ms_since(t)
             raise Refusal(lost.reason.value) from None
+        except SandboxRefused as refused:
+            ctx.timings.sandbox = ctx.ms_since(t)
+            raise Refusal(refused.reason, status=None, sticky=False) from None  # the member is intact
         except ImageRefused as exc:
             ctx.timings.sandbox = ctx.ms_since(t)
             log.error("turn.image_refused", detail=str(exc))

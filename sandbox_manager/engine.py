@@ -58,6 +58,7 @@ class ContainerSpec:
     memory_bytes: int = 4 * 1024**3
     pids_limit: int = 1024
     nano_cpus: int = 2_000_000_000
+    disk_bytes: int | None = None  # a writable-layer quota (storage drivers that support one)
     command: tuple[str, ...] = ("sleep", "infinity")
 
 
@@ -216,6 +217,7 @@ class DockerEngine:
             pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
             detach=True, tty=False, stdin_open=False,
             volumes={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+            **({"storage_opt": {"size": str(spec.disk_bytes)}} if spec.disk_bytes else {}),
         )
         c.reload()
         return _to_info(c)

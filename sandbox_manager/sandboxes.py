@@ -20,6 +20,7 @@ from pathlib import Path
 import structlog
 
 from images.checks import check_image_labels
+from sandbox_manager.disk_bound import DISK_QUOTA, DiskBound, SandboxRefused
 from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, Mount, NotFound
 from sandbox_manager.exec_stream import ExecStream
 from state.records import SandboxRecord, SandboxState
@@ -104,6 +105,7 @@ class SandboxConfig:
     nano_cpus: int = 2_000_000_000
     require_helper: bool = True
     gate_ready_timeout_s: float = 20.0
+    disk_bytes: int | None = None  # per-sandbox disk bound (quota where supported, else measured)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class SandboxManager:
         self.store = store
         self.config = config
         self._watchers: list[SandboxWatcher] = []
+        self.disk = DiskBound(engine, store, config.disk_bytes)
 
     def watch(self, watcher: SandboxWatcher) -> None:
         """Call ``watcher(user_id, chat_id, state)`` whenever this manager runs, stops or loses a sandbox."""
@@ -216,6 +219,8 @@ class SandboxManager:
             self._changed(user_id, chat_id, SandboxState.LOST)
             log.warning("sandbox.lost", container=rec.container_name, reason=lost.reason.value, detail=lost.detail)
             raise
+        if rec.stop_reason == DISK_QUOTA:
+            await self.disk.recheck(rec)
         started = False
         if not info.running:
             t = time.time()
@@ -286,7 +291,7 @@ class SandboxManager:
                              mounts=(Mount(str(sockets), MODEL_DIR, read_only=True),), command=MODEL_GATE_COMMAND,
                              memory_bytes=self.config.memory_bytes,
                              pids_limit=self.config.pids_limit, nano_cpus=self.config.nano_cpus)
-        info = await self.engine.create(spec)
+        info = await self.disk.create(spec)
         t = time.time()
         await self.engine.start(info.id)
         info = await self.engine.inspect(info.id)
@@ -299,6 +304,26 @@ class SandboxManager:
         log.info("sandbox.created", container=name, image=image.id[:19], network="none")
         await self._gate_ready(info, t)
         return Sandbox(record=rec, container=info, image=image, created=True)
+
+    async def expire(self, user_id: str, chat_id: str, reason: str) -> bool:
+        """Retention: remove the container (its writable layer with it) and record the sandbox
+        LOST with ``reason``; idempotent."""
+        rec = await self.store.get_sandbox(user_id, chat_id)
+        if rec is None or rec.state == SandboxState.LOST:
+            return False
+        try:
+            await self.engine.remove(rec.container_id)
+        except NotFound:
+            pass
+        await self.store.set_sandbox_state(user_id, chat_id, SandboxState.LOST, reason)
+        self._changed(user_id, chat_id, SandboxState.LOST)
+        log.info("sandbox.expired", container=rec.container_name, reason=reason)
+        return True
+
+    async def block(self, user_id: str, chat_id: str, reason: str) -> None:
+        """Keep the sandbox stopped: from now on turns are refused with ``reason`` until it is
+        cleared (the caller stops it)."""
+        await self.store.set_stop_reason(user_id, chat_id, reason)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -95,6 +95,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX wire_turns_by_member ON wire_turns (user_id, chat_id, member_id, created_at);
     """,
+    # 7: why the daemon stopped a sandbox and keeps it stopped (disk_quota): it survives a restart
+    """
+    ALTER TABLE sandboxes ADD COLUMN stop_reason TEXT;
+    """,
 ]
 
 

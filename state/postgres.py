@@ -167,14 +167,15 @@ class PostgresStore(PostgresFleet, PostgresWireLedger):
         async def q(conn: Conn) -> None:
             await conn.execute(
                 "INSERT INTO sandboxes (user_id, chat_id, container_id, container_name, image_id, data_root_id,"
-                " host_id, state, lost_reason, created_at, last_used_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                " host_id, state, lost_reason, stop_reason, created_at, last_used_at)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
                 " ON CONFLICT (user_id, chat_id) DO UPDATE SET container_id=excluded.container_id,"
                 " container_name=excluded.container_name, image_id=excluded.image_id,"
                 " data_root_id=excluded.data_root_id, host_id=excluded.host_id, state=excluded.state,"
-                " lost_reason=excluded.lost_reason, created_at=excluded.created_at,"
-                " last_used_at=excluded.last_used_at",
+                " lost_reason=excluded.lost_reason, stop_reason=excluded.stop_reason,"
+                " created_at=excluded.created_at, last_used_at=excluded.last_used_at",
                 (rec.user_id, rec.chat_id, rec.container_id, rec.container_name, rec.image_id, rec.data_root_id,
-                 rec.host_id, rec.state.value, rec.lost_reason, rec.created_at.isoformat(),
+                 rec.host_id, rec.state.value, rec.lost_reason, rec.stop_reason, rec.created_at.isoformat(),
                  rec.last_used_at.isoformat()))
 
         await self._tx(q)
@@ -184,6 +185,10 @@ class PostgresStore(PostgresFleet, PostgresWireLedger):
         await self._tx(lambda conn: conn.execute(
             "UPDATE sandboxes SET state=%s, lost_reason=%s WHERE user_id=%s AND chat_id=%s",
             (state.value, lost_reason, user_id, chat_id)))
+
+    async def set_stop_reason(self, user_id: str, chat_id: str, reason: str | None) -> None:
+        await self._tx(lambda conn: conn.execute(
+            "UPDATE sandboxes SET stop_reason=%s WHERE user_id=%s AND chat_id=%s", (reason, user_id, chat_id)))
 
     async def touch_sandbox(self, user_id: str, chat_id: str) -> None:
         await self._tx(lambda conn: conn.execute(

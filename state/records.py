@@ -26,6 +26,7 @@ class SandboxRecord(BaseModel):
     host_id: str
     state: SandboxState
     lost_reason: str | None = None
+    stop_reason: str | None = None  # set: kept stopped, turns refused with this reason
     created_at: datetime
     last_used_at: datetime
 

@@ -117,9 +117,11 @@ class Store(SQLiteFleet, SQLiteWireLedger):
     async def put_sandbox(self, rec: SandboxRecord) -> None:
         def q(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO sandboxes (user_id, chat_id, container_id, container_name, image_id,"
+                " data_root_id, host_id, state, lost_reason, stop_reason, created_at, last_used_at)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rec.user_id, rec.chat_id, rec.container_id, rec.container_name, rec.image_id, rec.data_root_id,
-                 rec.host_id, rec.state.value, rec.lost_reason, rec.created_at.isoformat(),
+                 rec.host_id, rec.state.value, rec.lost_reason, rec.stop_reason, rec.created_at.isoformat(),
                  rec.last_used_at.isoformat()),
             )
 
@@ -130,6 +132,12 @@ class Store(SQLiteFleet, SQLiteWireLedger):
         def q(db: sqlite3.Connection) -> None:
             db.execute("UPDATE sandboxes SET state=?, lost_reason=? WHERE user_id=? AND chat_id=?",
                        (state.value, lost_reason, user_id, chat_id))
+
+        await self._run(q)
+
+    async def set_stop_reason(self, user_id: str, chat_id: str, reason: str | None) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE sandboxes SET stop_reason=? WHERE user_id=? AND chat_id=?", (reason, user_id, chat_id))
 
         await self._run(q)
 

@@ -173,6 +173,26 @@ async def test_lost_is_sticky_and_first_reason_wins(store: StoreContract) -> Non
     assert (await store.get_member("u", "c", "m")).lost_reason == "container_missing"
 
 
+async def test_a_stop_reason_is_kept_until_cleared_and_survives_a_rewrite(store: StoreContract) -> None:
+    from datetime import UTC, datetime
+
+    from state.records import SandboxRecord, SandboxState
+
+    ts = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    rec = SandboxRecord(user_id="u", chat_id="c", container_id="id1", container_name="ca-1", image_id="sha256:1",
+                        data_root_id="dr", host_id="h", state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
+    await store.put_sandbox(rec)
+    assert (await store.get_sandbox("u", "c")).stop_reason is None
+    await store.set_stop_reason("u", "c", "disk_quota")
+    await store.set_sandbox_state("u", "c", SandboxState.STOPPED)
+    got = await store.get_sandbox("u", "c")
+    assert (got.state, got.stop_reason) == (SandboxState.STOPPED, "disk_quota")
+    await store.put_sandbox(got)
+    assert (await store.get_sandbox("u", "c")).stop_reason == "disk_quota"
+    await store.set_stop_reason("u", "c", None)
+    assert (await store.get_sandbox("u", "c")).stop_reason is None
+
+
 # -- hosts, leases, placement, fencing ----------------------------------------------------------
 
 

@@ -32,8 +32,11 @@ class BudgetMetrics:
         r = registry
         self.budget = Gauge("cloud_agent_resident_memory_budget_bytes", "CLOUD_AGENT_RESIDENT_MEMORY_MB.", registry=r)
         self.used = Gauge("cloud_agent_resident_memory_used_bytes",
-                          "RSS of every resident CLI's process tree at the last reading (what the budget counts).",
+                          "RSS of every resident CLI's process tree at the last reading.",
                           registry=r)
+        self.committed = Gauge("cloud_agent_resident_memory_committed_bytes",
+                               "What the budget counts: each resident's peak RSS (or its runtime's estimate "
+                               "until read) plus launches in progress.", registry=r)
         self.pss = Gauge("cloud_agent_resident_memory_pss_bytes",
                          "PSS of the same trees (pages they share counted once).", registry=r)
         self.retirements = Counter("cloud_agent_resident_memory_retirements",
@@ -94,15 +97,17 @@ class ResidentMemory:
                 mem = readings.get(id(r))
                 if mem is not None:
                     r.measured_bytes = mem.bytes
+                    r.rss_bytes = mem.rss_bytes
                     self._pss[id(r)] = mem.pss_bytes
-                    self.policy.learn(r.runtime, max(mem.bytes, mem.hwm_bytes))  # a launch may need its peak
+                    self.policy.learn(r.runtime, mem.bytes)
             self.last_reading = time.monotonic()
             self._publish()
             return self.policy.used(self.uses())
 
     def _publish(self) -> None:
         residents = self._residents()
-        self.metrics.used.set(sum(r.measured_bytes or 0 for r in residents))
+        self.metrics.used.set(sum(r.rss_bytes or 0 for r in residents))
+        self.metrics.committed.set(self.policy.used(self.uses(), sum(self.reserved.values())))
         live = {id(r) for r in residents}
         self._pss = {k: v for k, v in self._pss.items() if k in live}
         self.metrics.pss.set(sum(self._pss.values()))

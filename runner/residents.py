@@ -29,7 +29,8 @@ class Resident:
     last_used: float = field(default_factory=time.monotonic)
     host_init_pid: int | None = None  # the sandbox's init, seen from the host (memory readings)
     pgid: int | None = None  # in the sandbox, read from the pidfile once
-    measured_bytes: int | None = None  # the last memory reading of its process tree
+    measured_bytes: int | None = None  # its process tree's peak RSS at the last reading (budgeted)
+    rss_bytes: int | None = None  # its process tree's RSS at the last reading
 
     @property
     def alive(self) -> bool:

@@ -371,7 +371,7 @@ def _iso(ts: datetime | None) -> str | None:
 
 
 def _measured(resident: Any) -> int | None:
-    return None if resident is None else resident.measured_bytes
+    return None if resident is None else resident.rss_bytes
 
 
 def _repeat(conflict: bool, receipt_json: str | None) -> Submission:

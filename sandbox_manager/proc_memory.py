@@ -27,10 +27,12 @@ class GroupMemory:
 
     @property
     def bytes(self) -> int:
-        """What the budget counts: RSS. PSS splits the pages residents of one image share (the
-        CLI binary), so one resident's PSS halves when a second starts and doubles back when
-        it retires; RSS is stable, and its sum never under-counts what the residents use."""
-        return self.rss_bytes
+        """What the budget counts: the tree's peak RSS. PSS splits the pages residents of one
+        image share (the CLI binary), so one resident's PSS halves when a second starts and
+        doubles back when it retires; RSS is stable and its sum never under-counts; the peak
+        is what the tree has already needed and may need again (a CLI's start-up peak is
+        well above its idle RSS: Claude 292 vs 221 MiB)."""
+        return max(self.hwm_bytes, self.rss_bytes)
 
 
 @dataclass(frozen=True)

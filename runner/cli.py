@@ -49,6 +49,11 @@ def cmd_run(args: argparse.Namespace, client: Any) -> int:
             print(ev["text"], end="", flush=True)
         elif ev.get("type") == "status":
             print(f"[{ev.get('context_status')}]", file=sys.stderr, flush=True)
+        elif ev.get("type") == "queued":
+            print(f"[queued: position {ev.get('position')}]", file=sys.stderr, flush=True)
+        elif ev.get("type") == "cut":
+            print(f"[stream cut: {ev.get('dropped')} events dropped; the receipt follows]", file=sys.stderr,
+                  flush=True)
         if ev.get("type") == "receipt":
             receipt = ev["receipt"]
     if receipt is None:

@@ -1,8 +1,8 @@
 """The host view of the inspector (SPEC section 17): residents (and their memory against
 the budget), the admission queue, the retained sandboxes and the attestation summary.
 
-The memory budget and the queue belong to the capacity work (SPEC section 13); until the
-supervisor has them they are reported as absent (null), never estimated.
+The memory budget and the queue come from the capacity work (SPEC section 13): a resident's
+memory is its last reading (what the budget counts: its tree's peak RSS), null until read.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class HostView(BaseModel):
     host_id: str
     now: datetime
     residents: list[ResidentView]
-    budget: BudgetView | None = Field(description="null: this host has no resident memory budget yet")
-    queue: QueueView | None = Field(description="null: this host has no admission queue yet")
+    budget: BudgetView | None = Field(description="the resident memory budget and what it counts now")
+    queue: QueueView | None = Field(description="jobs waiting for admission, in the order they will be served")
     sandboxes: list[SandboxView] = Field(description=f"the {MAX_SANDBOXES} most recently used")
     sandboxes_total: int
     attestation: AttestationSummary | None
@@ -105,7 +105,8 @@ async def host_view(sup: Supervisor, attestation: dict[str, Any] | None) -> Host
             continue
         residents.append(ResidentView(user_id=key[0], chat_id=key[1], member_id=key[2], runtime=r.runtime,
                                       container_id=r.container_id, alive=r.alive, in_turn=sup.in_turn(key),
-                                      idle_s=round(max(0.0, now - r.last_used), 1)))
+                                      idle_s=round(max(0.0, now - r.last_used), 1),
+                                      memory_bytes=r.measured_bytes))
     per_chat: dict[tuple[str, str], int] = {}
     for res in residents:
         per_chat[(res.user_id, res.chat_id)] = per_chat.get((res.user_id, res.chat_id), 0) + 1
@@ -115,6 +116,11 @@ async def host_view(sup: Supervisor, attestation: dict[str, Any] | None) -> Host
                              host_id=r.host_id, last_used_at=r.last_used_at,
                              residents=per_chat.get((r.user_id, r.chat_id), 0))
                  for r in records[:MAX_SANDBOXES]]
+    mem, adm = sup.memory, sup.capacity.admission
+    budget = BudgetView(limit_bytes=mem.policy.budget, used_bytes=mem.committed())
+    queue = QueueView(depth=adm.depth, entries=[
+        {"user_id": t.user_id, "chat_id": t.chat[1], "job_id": t.job_id, "position": pos, "waited_ms": t.waited_ms()}
+        for t, pos in sorted(adm.queue.positions().items(), key=lambda kv: kv[1])])
     return HostView(host_id=sup.manager.config.host_id, now=datetime.now(UTC), residents=residents,
-                    budget=None, queue=None, sandboxes=sandboxes, sandboxes_total=len(records),
+                    budget=budget, queue=queue, sandboxes=sandboxes, sandboxes_total=len(records),
                     attestation=summarize_attestation(attestation))

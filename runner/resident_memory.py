@@ -104,10 +104,14 @@ class ResidentMemory:
             self._publish()
             return self.policy.used(self.uses())
 
+    def committed(self) -> int:
+        """What the budget counts now: residents (peaks, or estimates until read) and launches."""
+        return self.policy.used(self.uses(), sum(self.reserved.values()))
+
     def _publish(self) -> None:
         residents = self._residents()
         self.metrics.used.set(sum(r.rss_bytes or 0 for r in residents))
-        self.metrics.committed.set(self.policy.used(self.uses(), sum(self.reserved.values())))
+        self.metrics.committed.set(self.committed())
         live = {id(r) for r in residents}
         self._pss = {k: v for k, v in self._pss.items() if k in live}
         self.metrics.pss.set(sum(self._pss.values()))

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -268,6 +270,12 @@ def test_keyboard_reaches_every_row_in_order(browser, host) -> None:
 
 
 def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> None:
+    # the resident's memory is read on a period: wait for its first reading
+    with httpx.Client(base_url=host.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
+        deadline = time.monotonic() + 30
+        while (view := http.get("/v1/host").json())["residents"][0]["memory_bytes"] is None:
+            assert time.monotonic() < deadline, view
+            time.sleep(0.2)
     browser.get(f"{host.url}/ui/#/host")
     wait_ready(browser, "host")
     cells = browser.execute_script("""
@@ -280,10 +288,14 @@ def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> N
     residents = browser.execute_script("""
       return [...document.querySelectorAll('#residents-table tbody tr')].map((tr) =>
         [...tr.querySelectorAll('td')].map((td) => td.textContent));""")
+    memory = f"{view['residents'][0]['memory_bytes'] / 2**20:.1f} MiB"
     assert [(r[0], r[1], r[2], r[3], r[7]) for r in residents] == [
-        (res.user_id, res.chat_id, "m1", "codex", "not available")]
-    assert browser.find_element("id", "budget").text == "Memory budget: not available"
-    assert browser.find_element("id", "queue").text == "Queue: not available"
+        (res.user_id, res.chat_id, "m1", "codex", memory)]
+    budget = view["budget"]
+    assert budget["used_bytes"] >= view["residents"][0]["memory_bytes"] > 50 * 2**20  # a codex tree
+    assert re.fullmatch(rf"Memory budget: \d+ MiB of {budget['limit_bytes'] / 2**20:.0f} MiB \(\d+%\)",
+                        browser.find_element("css selector", "#budget p").text)
+    assert browser.find_element("css selector", "#queue p").text == "Queue: 0 waiting"
     facts = browser.execute_script("""
       const out = {}; for (const dt of document.querySelectorAll('.host-layout dl > dt'))
         out[dt.textContent] = dt.nextElementSibling.textContent; return out;""")

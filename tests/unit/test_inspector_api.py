@@ -10,11 +10,16 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from runner.admission import Admission
 from runner.daemon import Api, create_app
-from state.receipts import Receipt
+from runner.member_locks import MemberLocks
+from runner.resident_memory import ResidentMemory
 from runner.residents import ResidentPool
+from runner.sandbox_room import SandboxRoom
+from state.receipts import Receipt
 from state.records import SandboxRecord, SandboxState
 from state.store import Store
 
@@ -44,8 +49,13 @@ async def store(tmp_path):
 
 
 def supervisor(store: Store) -> Any:
-    sup = SimpleNamespace(store=store, engine=FakeEngine(), pool=ResidentPool(),
-                          manager=SimpleNamespace(config=SimpleNamespace(host_id="host-a")))
+    pool, locks = ResidentPool(), MemberLocks()
+    room = SandboxRoom(None, busy=lambda chat: False)
+    sup = SimpleNamespace(store=store, engine=FakeEngine(), pool=pool,
+                          manager=SimpleNamespace(config=SimpleNamespace(host_id="host-a")),
+                          memory=ResidentMemory(1024 * 1024 * 1024, pool=pool, locks=locks,
+                                                registry=CollectorRegistry(), refresh_s=60, max_wait_s=60),
+                          capacity=SimpleNamespace(admission=Admission(max_turns=1, timeout_s=30, room=room)))
     sup.in_turn = lambda key: False
     return sup
 
@@ -146,7 +156,7 @@ async def test_inspect_picks_the_turn_and_defaults_to_the_latest(store) -> None:
     assert native.status_code == 422 and native.json()["detail"][0]["field"] == "native"
 
 
-async def test_host_view_lists_sandboxes_and_says_what_it_does_not_have(store) -> None:
+async def test_host_view_lists_sandboxes_the_budget_and_the_queue(store) -> None:
     for chat, state, used in (("c1", SandboxState.RUNNING, T0), ("c2", SandboxState.LOST, T0.replace(hour=9))):
         await store.put_sandbox(SandboxRecord(
             user_id="u1", chat_id=chat, container_id=f"id-{chat}", container_name=f"ca-{chat}", image_id="sha256:ff",
@@ -156,7 +166,8 @@ async def test_host_view_lists_sandboxes_and_says_what_it_does_not_have(store) -
     async with client(store) as c:
         h = (await c.get("/v1/host", headers=AUTH)).json()
     assert h["host_id"] == "host-a" and h["residents"] == []
-    assert (h["budget"], h["queue"]) == (None, None)
+    assert (h["budget"], h["queue"]) == ({"limit_bytes": 1024 * 1024 * 1024, "used_bytes": 0},
+                                         {"depth": 0, "entries": []})
     assert [(s["chat_id"], s["state"], s["lost_reason"]) for s in h["sandboxes"]] == [
         ("c2", "lost", "container_missing"), ("c1", "running", None)]
     assert h["sandboxes_total"] == 2

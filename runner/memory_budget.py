@@ -7,7 +7,8 @@ the residents in turns is taken back under the budget. It never picks a busy res
 It retires nothing when retiring every idle resident would still not make room: the
 launch then waits for a turn to end rather than costing other members their LIVE turns
 for nothing. A runtime's estimate is the largest it was ever measured at, never below a
-floor from the measured baselines (protocols/baselines.md: idle and peak RSS per CLI).
+floor from the measured baselines (protocols/baselines.md: idle and peak RSS per CLI), and a
+resident never costs less than that floor.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 
 MiB = 1024 * 1024
 
-# Peak RSS of each pinned CLI's tree in a sandbox, rounded up (protocols/baselines.md).
+# Peak RSS of each pinned CLI's tree in a sandbox, rounded up (protocols/baselines.md; Kilo and
+# OpenCode with the bridge in front, measured here: 691 and 549 MiB).
 FLOOR_ESTIMATES: Mapping[str, int] = {
-    "claude": 300 * MiB, "codex": 160 * MiB, "pi": 180 * MiB, "opencode": 620 * MiB, "kilo": 640 * MiB,
+    "claude": 300 * MiB, "codex": 160 * MiB, "pi": 180 * MiB, "opencode": 620 * MiB, "kilo": 720 * MiB,
 }
 
 MemberKey = tuple[str, str, str]
@@ -45,6 +47,7 @@ class BudgetPlan:
 class BudgetPolicy:
     def __init__(self, budget_bytes: int, floors: Mapping[str, int] = FLOOR_ESTIMATES) -> None:
         self.budget = budget_bytes
+        self._floors = dict(floors)
         self._estimates = dict(floors)
         self._default = max(floors.values(), default=0)
 
@@ -55,7 +58,13 @@ class BudgetPolicy:
         self._estimates[runtime] = max(self.estimate(runtime), measured)
 
     def cost(self, use: ResidentUse) -> int:
-        return use.measured if use.measured is not None else self.estimate(use.runtime)
+        """Its reading, or its runtime's estimate until read — and never below the runtime's
+        floor: a reading taken while the CLI is still starting (OpenCode climbs to ~550 MiB
+        over seconds) must not free room it is about to take. (Not the learnt estimate: one
+        resident's big turn must not make every resident of its runtime look as big.)"""
+        if use.measured is None:
+            return self.estimate(use.runtime)
+        return max(use.measured, self._floors.get(use.runtime, self._default))
 
     def used(self, uses: Iterable[ResidentUse], reserved: int = 0) -> int:
         return sum(self.cost(u) for u in uses) + reserved

@@ -45,7 +45,7 @@ def test_the_least_recently_used_idle_resident_makes_room() -> None:
     assert keys(policy.plan(uses, "codex")) == ["a"]
     busy_a = [use("b", 300, 2), use("a", 300, 1, busy=True), use("c", 300, 3)]
     assert keys(policy.plan(busy_a, "codex")) == ["b"]  # never a resident in a turn
-    assert keys(policy.plan(uses, "kilo")) == ["a", "b"]  # 640 MiB needs two of them
+    assert keys(policy.plan(uses, "opencode")) == ["a", "b"]  # 620 MiB needs two of them
 
 
 def test_nothing_is_retired_when_even_every_idle_one_would_not_make_room() -> None:
@@ -69,6 +69,13 @@ def test_growth_is_taken_back_from_idle_residents_only() -> None:
     assert (keys(plan), plan.fits, plan.used) == (["b"], True, 800 * MiB)
     all_busy = [use("a", 700, 1, busy=True), use("b", 400, 2, busy=True)]
     assert (keys(policy.plan(all_busy, None)), policy.plan(all_busy, None).fits) == ([], False)
+
+
+def test_a_resident_never_costs_less_than_its_runtimes_estimate() -> None:
+    policy = BudgetPolicy(1000 * MiB)
+    starting = use("x", 20, 0)  # read while the CLI was still starting
+    assert policy.cost(starting) == FLOOR_ESTIMATES["codex"]
+    assert policy.cost(use("y", 400, 0)) == 400 * MiB
 
 
 def test_estimates_never_go_below_the_floor_and_learn_the_largest_reading() -> None:
@@ -166,14 +173,14 @@ async def test_the_gate_retires_the_lru_idle_resident_and_waits_for_a_busy_one()
 async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:
     pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
     registry = CollectorRegistry()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60, max_wait_s=30,
+    mem = ResidentMemory(600 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60, max_wait_s=30,
                          reader=reader)  # type: ignore[arg-type]
     resident(pool, reader, "a", 11, 100, last=1)
     resident(pool, reader, "b", 12, 100, last=2)
     resident(pool, reader, "c", 13, 200, last=3)
     assert await mem.check() == 0
     async with locks.hold(("u", "c", "c")):
-        reader.sizes[13] = 390  # c grows in its turn
+        reader.sizes[13] = 390  # c grows in its turn: a and b count their 160 MiB estimate
         assert await mem.check() == 1  # a goes; c, in a turn, is never retired
     assert sorted(k[2] for k in pool.keys()) == ["b", "c"]
     assert 'cloud_agent_resident_memory_retirements_total{cause="over_budget"} 1.0' in generate_latest(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,7 +34,7 @@ from runner.member_locks import MemberLocks
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
 from runner.resident_memory import ResidentMemory
-from runner.residents import ResidentPool
+from runner.residents import Resident, ResidentPool
 from runner.sweeps import Sweeps
 from runner.turn import TestHooks, TurnRunner
 from sandbox_manager.engine import DockerEngine, Engine
@@ -148,9 +148,8 @@ class Supervisor:
             await anyio.sleep(period)
             now = time.monotonic()
             # A resident whose process died on its own is pruned here, not kept forever.
-            await self.pool.retire_where(lambda r: not r.alive and not self.locks.busy(r.key), "exited")
-            await self.pool.retire_where(
-                lambda r: now - r.last_used > self.settings.resident_idle_s and not self.locks.busy(r.key), "idle")
+            await self._retire_unused(lambda r: not r.alive, "exited")
+            await self._retire_unused(lambda r: now - r.last_used > self.settings.resident_idle_s, "idle")
             for rec in await self.store.list_sandboxes(SandboxState.RUNNING):
                 if rec.host_id != self.manager.config.host_id:
                     continue  # a fleet's store holds every host's sandboxes
@@ -158,6 +157,14 @@ class Supervisor:
                 chat = (rec.user_id, rec.chat_id)
                 if idle > self.settings.idle_stop_s and not self.capacity.chat_busy(chat):
                     await self.capacity.stop(chat, "idle")
+
+    async def _retire_unused(self, pred: Callable[[Resident], bool], why: str) -> None:
+        """Retire residents matching ``pred`` whose member lock is free, holding it meanwhile:
+        a job for that member then waits for the retirement instead of racing it."""
+        for r in self.pool.residents():
+            if pred(r) and (held := self.locks.try_hold(r.key)) is not None:
+                async with held:
+                    await self.pool.retire(r.key, why)
 
     def in_turn(self, key: tuple[str, str, str]) -> bool:
         """A turn of this member holds its lock now (the inspector's host view)."""

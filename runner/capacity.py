@@ -21,7 +21,7 @@ from runner.residents import ResidentPool
 from runner.sandbox_room import Chat, SandboxRoom
 from sandbox_manager.sandboxes import SandboxManager
 from state.records import SandboxState
-from state.store import Store
+from state.contract import StoreContract
 
 log = structlog.get_logger("capacity")
 
@@ -45,10 +45,12 @@ class HostCapacity:
     def chat_busy(self, chat: Chat) -> bool:
         return self.locks.chat_busy(*chat) or chat in self.room.admitted
 
-    async def load(self, store: Store) -> None:
+    async def load(self, store: StoreContract) -> None:
         """The sandboxes the store records as running, least recently used first."""
         now_wall, now_mono = datetime.now(UTC), time.monotonic()
         for rec in await store.list_sandboxes(SandboxState.RUNNING):
+            if rec.host_id != self.manager.config.host_id:
+                continue  # a fleet's store holds every host's sandboxes
             age = (now_wall - rec.last_used_at).total_seconds()
             self.room.running[(rec.user_id, rec.chat_id)] = now_mono - max(0.0, age)
 

@@ -22,7 +22,7 @@ from runner.capacity import HostCapacity
 from sandbox_manager.disk_bound import DISK_QUOTA
 from sandbox_manager.engine import NotFound
 from state.records import SandboxRecord, SandboxState
-from state.store import Store
+from state.contract import StoreContract
 
 log = structlog.get_logger("sweeps")
 
@@ -30,7 +30,7 @@ RETENTION_EXPIRED = "retention_expired"
 
 
 class Sweeps:
-    def __init__(self, *, store: Store, capacity: HostCapacity, retain_days: float | None) -> None:
+    def __init__(self, *, store: StoreContract, capacity: HostCapacity, retain_days: float | None) -> None:
         self.store = store
         self.capacity = capacity
         self.manager = capacity.manager
@@ -44,8 +44,8 @@ class Sweeps:
     async def disk(self) -> int:
         stopped = 0
         for rec in await self.store.list_sandboxes(SandboxState.RUNNING):
-            if rec.stop_reason:
-                continue
+            if rec.stop_reason or rec.host_id != self.manager.config.host_id:
+                continue  # a fleet's store holds every host's sandboxes
             try:
                 usage = await self.manager.disk.usage(rec)
             except NotFound:
@@ -64,7 +64,8 @@ class Sweeps:
         expired = 0
         for rec in await self.store.list_sandboxes():
             chat = (rec.user_id, rec.chat_id)
-            if rec.state == SandboxState.LOST or rec.last_used_at > cutoff or self.capacity.chat_busy(chat):
+            if (rec.state == SandboxState.LOST or rec.host_id != self.manager.config.host_id
+                    or rec.last_used_at > cutoff or self.capacity.chat_busy(chat)):
                 continue
             if await self.capacity.expire(chat, RETENTION_EXPIRED):
                 for member in await self.store.list_members(*chat):

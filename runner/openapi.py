@@ -68,7 +68,7 @@ def openapi_document() -> dict[str, Any]:
             "description": ("sandbox: state (running|stopped|lost), lost_reason, stop_reason (disk_quota: kept "
                             "stopped, turns refused), expires_at (when retention will remove it; null once "
                             "LOST), last_used_at; members: runtime, locator, settled turns, resident, "
-                            "resident_memory_bytes (last reading), lost_reason (e.g. retention_expired)"),
+                            "lost_reason (e.g. retention_expired); resident memory: GET /v1/host"),
                                                         "parameters": chat, "responses": {"200": {"description": "status"}, "404": {"description": "not found"}}}},
         "/v1/users/{user_id}/chats/{chat_id}/stop": {"post": {"summary": "Idle-stop the sandbox (writable layer kept)",
                                                               "parameters": chat, "responses": {"200": {"description": "stopped"}}}},

@@ -330,7 +330,6 @@ class Supervisor:
                 "locator": None if m.locator is None else m.locator.model_dump(),
                 "settled_turns": m.settled_turns, "last_status": m.last_status, "last_outcome": m.last_outcome,
                 "resident": self.pool.is_resident((user_id, chat_id, m.member_id)),
-                "resident_memory_bytes": _measured(self.pool.get((user_id, chat_id, m.member_id))),
                 "forked_from": m.forked_from, "lost_reason": m.lost_reason,
             } for m in members],
             "last_receipts": receipts,
@@ -375,10 +374,6 @@ class Supervisor:
 
 def _iso(ts: datetime | None) -> str | None:
     return None if ts is None else ts.isoformat()
-
-
-def _measured(resident: Any) -> int | None:
-    return None if resident is None else resident.rss_bytes
 
 
 def _repeat(conflict: bool, receipt_json: str | None) -> Submission:

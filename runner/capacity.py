@@ -101,6 +101,8 @@ class HostCapacity:
             await self.manager.block(*chat, reason)  # first: a turn resolving meanwhile is refused
             await self.pool.retire_where(lambda r: r.key[:2] == chat, f"sandbox stop: {reason}")
             stopped = await self.manager.stop(*chat)
+            if self.on_stopped is not None:
+                await self.on_stopped(*chat)
         finally:
             self.room.mark_stopped(chat)
             self.admission.dispatch()
@@ -113,6 +115,8 @@ class HostCapacity:
         try:
             await self.pool.retire_where(lambda r: r.key[:2] == chat, f"sandbox removed: {reason}")
             removed = await self.manager.expire(*chat, reason)
+            if self.on_stopped is not None:
+                await self.on_stopped(*chat)
         finally:
             self.room.mark_stopped(chat)
             self.admission.dispatch()

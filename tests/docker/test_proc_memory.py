@@ -28,8 +28,8 @@ BIG = ("const b = Buffer.alloc(96 * 1024 * 1024, 1); "
 async def sandbox(tmp_path, sandbox_image, docker_client):
     engine = DockerEngine()
     store = Store(tmp_path / "store.db")
-    mgr = SandboxManager(engine, store, SandboxConfig(image=sandbox_image, network="none", host_id="test-host",
-                                                      require_helper=carries_bridge(load_pins())))
+    mgr = SandboxManager(engine, store, SandboxConfig(image=sandbox_image, socket_root=str(tmp_path / "sockets"),
+                                                      host_id="test-host", require_helper=carries_bridge(load_pins())))
     sb = await mgr.resolve(f"user-{uuid.uuid4().hex[:8]}", f"chat-{uuid.uuid4().hex[:8]}")
     yield mgr, sb
     docker_client.api.remove_container(sb.container_id, force=True)
@@ -42,7 +42,7 @@ async def launch(mgr: SandboxManager, sb, name: str, script: str):
     await mgr.prepare_files(sb, [], [], [dirs.run_dir])
     pidfile = f"{dirs.run_dir}/cli.pid"
     argv = ["ca-launch", "--pidfile", pidfile, "--cwd", dirs.workspace, "--", "node", "-e", script]
-    proc = await mgr.launch(sb, argv=argv, env={}, workdir="/home/agent", pidfile=pidfile, stdin_header=None)
+    proc = await mgr.launch(sb, argv=argv, env={}, workdir="/home/agent", pidfile=pidfile)
     with anyio.fail_after(30):
         assert await proc.stream.receive() == b"ready"
     return proc

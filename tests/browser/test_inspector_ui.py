@@ -239,8 +239,11 @@ def test_the_lost_row_diagnoses_like_inspect(browser, host) -> None:
     steps = browser.execute_script("""
       return [...document.querySelectorAll('#turn-4 .step-head')].map((p) =>
         [p.querySelector('strong').textContent, p.querySelector('.verdict').textContent]);""")
+    # a refused turn sends nothing: its wire verdict is "none", which the request step reads as no problem
+    lost = host.chats["lifecycle"].receipts[3]
+    assert lost["wire"]["history"] == "none" and lost["wire"]["requests"] == 0
     assert steps == [["Route", "problem"], ["Session identity", "unknown"], ["Native state", "unknown"],
-                     ["Request", "unknown"]]
+                     ["Request", "ok"]]
     assert console_errors(browser) == []
 
 
@@ -273,7 +276,7 @@ def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> N
     # the resident's memory is read on a period: wait for its first reading
     with httpx.Client(base_url=host.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         deadline = time.monotonic() + 30
-        while (view := http.get("/v1/host").json())["residents"][0]["memory_bytes"] is None:
+        while any(r["memory_bytes"] is None for r in (view := http.get("/v1/host").json())["residents"]):
             assert time.monotonic() < deadline, view
             time.sleep(0.2)
     browser.get(f"{host.url}/ui/#/host")
@@ -288,11 +291,15 @@ def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> N
     residents = browser.execute_script("""
       return [...document.querySelectorAll('#residents-table tbody tr')].map((tr) =>
         [...tr.querySelectorAll('td')].map((td) => td.textContent));""")
-    memory = f"{view['residents'][0]['memory_bytes'] / 2**20:.1f} MiB"
-    assert [(r[0], r[1], r[2], r[3], r[7]) for r in residents] == [
-        (res.user_id, res.chat_id, "m1", "codex", memory)]
+    # two chats keep a resident: the bystander and the wire-gap chat (its RESTORED turn's CLI)
+    gap = host.chats["gap"]
+    memory = {r["chat_id"]: f"{r['memory_bytes'] / 2**20:.1f} MiB" for r in view["residents"]}
+    assert sorted((r[0], r[1], r[2], r[3], r[7]) for r in residents) == sorted([
+        (res.user_id, res.chat_id, "m1", "codex", memory[res.chat_id]),
+        (gap.user_id, gap.chat_id, "m1", "codex", memory[gap.chat_id])])
     budget = view["budget"]
-    assert budget["used_bytes"] >= view["residents"][0]["memory_bytes"] > 50 * 2**20  # a codex tree
+    assert all(r["memory_bytes"] > 50 * 2**20 for r in view["residents"])  # codex trees
+    assert budget["used_bytes"] >= max(r["memory_bytes"] for r in view["residents"])
     assert re.fullmatch(rf"Memory budget: \d+ MiB of {budget['limit_bytes'] / 2**20:.0f} MiB \(\d+%\)",
                         browser.find_element("css selector", "#budget p").text)
     assert browser.find_element("css selector", "#queue p").text == "Queue: 0 waiting"

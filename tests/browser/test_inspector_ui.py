@@ -276,7 +276,10 @@ def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> N
     # the resident's memory is read on a period: wait for its first reading
     with httpx.Client(base_url=host.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         deadline = time.monotonic() + 30
-        while any(r["memory_bytes"] is None for r in (view := http.get("/v1/host").json())["residents"]):
+        while True:
+            view = http.get("/v1/host").json()
+            if view["residents"] and all(r["memory_bytes"] is not None for r in view["residents"]):
+                break
             assert time.monotonic() < deadline, view
             time.sleep(0.2)
     browser.get(f"{host.url}/ui/#/host")

@@ -1,7 +1,7 @@
 """Load: 48 chats across the five CLIs, three turns each, a resident memory budget with room
 for about eight residents, on this machine (SPEC section 13; issue 13).
 
-    uv run python tests/bench/load.py [--chats 48] [--turns 3] [--budget-mb 3200] [--max-turns N]
+    uv run python tests/bench/load.py [--chats 48] [--turns 3] [--budget-mb 3200] [--max-turns N] [--queue-timeout-s 1800]
 
 Prints the peak resident memory sampled independently from the host (every CLI process in
 every sandbox of the run) against the budget, turns/s, p50/p99 latency per context status,
@@ -28,7 +28,10 @@ async def main(args: argparse.Namespace) -> None:
     image = ensure_image()
     with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
         overrides = {"resident_memory_mb": args.budget_mb, "memory_refresh_s": 0.5,
-                     "handshake_timeout_s": 240.0}
+                     "handshake_timeout_s": 240.0,
+                     # the load run measures the budget, not host_busy (tests/cli/test_capacity_admission.py
+                     # does): a queued turn waits for its slot instead of being answered 503 at 30 s
+                     "queue_timeout_s": args.queue_timeout_s}
         if args.max_turns:
             overrides["max_turns"] = args.max_turns
         settings = daemon_settings(Path(tmp) / "home", fx.base_url, image, **overrides)
@@ -62,4 +65,5 @@ if __name__ == "__main__":
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--budget-mb", type=int, default=3200)
     p.add_argument("--max-turns", type=int, default=0)
+    p.add_argument("--queue-timeout-s", type=float, default=1800.0)
     anyio.run(main, p.parse_args())

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from runner.config import load_settings
-from tests.daemon_harness import test_socket_dir
+from tests import daemon_harness  # by module: a test_* name imported here would be collected
 from state.jobs import Job
 from runner.supervisor import build_supervisor
 from sandbox_manager.engine import ImageInfo
@@ -29,7 +29,7 @@ class RefusingEngine:
 
 
 async def test_locks_jobs_and_streams_are_pruned_after_many_chats(tmp_path) -> None:
-    settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_SOCKET_DIR": test_socket_dir(tmp_path),
+    settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_SOCKET_DIR": daemon_harness.test_socket_dir(tmp_path),
                               "CLOUD_AGENT_IMAGE": "fake:1",
                               "CLOUD_AGENT_GATEWAY_URL": "http://127.0.0.1:9", "CLOUD_AGENT_MAX_TURNS": "4"})
     sup = build_supervisor(settings, "http://127.0.0.1:9", engine=RefusingEngine())  # type: ignore[arg-type]

@@ -89,6 +89,14 @@ class Placement:
     live: bool  # the owner is still that epoch and its lease is live
 
 
+@dataclass(frozen=True)
+class ChatDeletion:
+    """What one deletion of a chat's records did (``state.chat_deletion``)."""
+
+    tombstoned: int  # receipts turned into tombstones by this deletion
+    removed: int  # sandbox, member, ledger and placement rows removed by it
+
+
 class Fenced(Exception):
     """The bound host lease is expired, fenced or superseded: nothing was written."""
 
@@ -151,5 +159,9 @@ class StoreContract(Protocol):
     async def wire_turns(self, user_id: str, chat_id: str, member_id: str) -> list[WireTurnRow]: ...
     async def purge_wire_capture(self, before: datetime) -> int: ...
     async def delete_wire_chat(self, user_id: str, chat_id: str) -> None: ...
+
+    # deleting a chat (state.chat_deletion): records gone, receipts kept as tombstones
+    async def chat_known(self, user_id: str, chat_id: str) -> bool: ...
+    async def delete_chat(self, user_id: str, chat_id: str) -> ChatDeletion: ...
 
     def raw_rows(self, table: str) -> list[dict[str, Any]]: ...

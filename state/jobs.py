@@ -50,3 +50,23 @@ class ForkRequest(BaseModel):
 
     new_member_id: SafeId
     at_turn: int | None = Field(default=None, ge=1, description="keep the first N settled turns; default all")
+
+
+CHAT_DELETED = "chat_deleted"  # the reason on the receipt of a turn its chat's deletion cancelled
+
+
+class ChatDeleted(BaseModel):
+    """``DELETE /v1/users/{user_id}/chats/{chat_id}`` answer: what this deletion did. Deleting a
+    deleted chat again answers the same shape with nothing left to remove."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    user_id: str
+    chat_id: str
+    deleted: Literal[True] = True
+    cancelled_jobs: int = Field(description="running turns cancelled first (receipt reason chat_deleted)")
+    retired_residents: int = Field(description="resident CLI processes retired")
+    container_removed: bool
+    volume_removed: bool
+    records_removed: int = Field(description="sandbox, member, wire ledger and placement rows deleted")
+    tombstoned_receipts: int = Field(description="receipts reduced to tombstones (no assistant text, no locators)")

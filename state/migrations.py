@@ -99,6 +99,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN stop_reason TEXT;
     """,
+    # 8: deleted chats (state.chat_deletion) — a job of a deleted chat keeps a tombstone receipt,
+    # and a later chat with the same id never lists it
+    """
+    ALTER TABLE jobs ADD COLUMN deleted_at TEXT;
+    """,
 ]
 
 

@@ -39,6 +39,7 @@ from state.contract import (
 )
 from state.migrations import MIGRATIONS
 from state.postgres_fleet import NOW_MS, Conn, PostgresFleet
+from state.chat_deletion import PostgresChatDeletion
 from state.wire_ledger import PostgresWireLedger, postgres_put_turn
 from state.records import JobRecord, JobState, MemberRecord, PendingFork, SandboxRecord, SandboxState, SavedLocator
 from state.store import Store as _SQLiteRows  # row -> record mapping only
@@ -58,7 +59,7 @@ def redact(url: str) -> str:
     return f"postgresql://{info.get('user', '')}@{info.get('host', '')}:{info.get('port', '')}/{info.get('dbname', '')}"
 
 
-class PostgresStore(PostgresFleet, PostgresWireLedger):
+class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout_s: float = 10.0,
                  commit_retry_s: float = 20.0, retry_s: float = 10.0) -> None:
         self.url = url
@@ -388,7 +389,7 @@ class PostgresStore(PostgresFleet, PostgresWireLedger):
     async def recent_receipts(self, user_id: str, chat_id: str, limit: int = 10) -> list[str]:
         async def q(conn: Conn) -> list[str]:
             rows = await self._all(conn, "SELECT receipt_json FROM jobs WHERE user_id=%s AND chat_id=%s AND state=%s"
-                                         " ORDER BY finished_at DESC LIMIT %s",
+                                         " AND deleted_at IS NULL ORDER BY finished_at DESC LIMIT %s",
                                    (user_id, chat_id, JobState.DONE.value, limit))
             return [r["receipt_json"] for r in rows]
 

@@ -87,3 +87,22 @@ class Receipt(BaseModel):
                                   "the model proxy audited turns")
     started_at: datetime
     finished_at: datetime
+    deleted_at: datetime | None = Field(default=None, description="set on the tombstone a deleted chat keeps of "
+                                        "its receipts: ids, statuses, outcomes, timings; no text, no locator")
+
+
+def tombstone(receipt_json: str, deleted_at: datetime) -> str:
+    """What a deleted chat keeps of one receipt (SPEC 10): ids, statuses, outcomes, timings.
+
+    Everything that carries conversation text or a native handle goes: the assistant text,
+    the settlement's detail and raw events (Claude's ``result`` event repeats the reply), the
+    locators (their native sessions are destroyed) and the wire verdict's digests (a digest
+    of a short text is as good as the text).
+    """
+    r = Receipt.model_validate_json(receipt_json)
+    settlement = SettlementInfo(evidence=r.settlement.evidence, is_error=r.settlement.is_error,
+                                compacted=r.settlement.compacted)
+    wire = None if r.wire is None else WireInfo(requests=r.wire.requests, side_requests=r.wire.side_requests,
+                                                history=r.wire.history)
+    return r.model_copy(update={"assistant_text": "", "locator_before": None, "locator_after": None,
+                                "settlement": settlement, "wire": wire, "deleted_at": deleted_at}).model_dump_json()

@@ -89,3 +89,4 @@ class JobRecord(BaseModel):
     finished_at: datetime | None = None
     host_id: str | None = None  # the host that claimed it (None: before fleets, or unbound)
     host_epoch: int | None = None  # that host's lease epoch at the claim
+    deleted_at: datetime | None = None  # its chat was deleted: receipt_json is a tombstone

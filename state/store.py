@@ -28,6 +28,7 @@ from state.contract import (
 )
 from state.migrations import migrate
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
+from state.chat_deletion import SQLiteChatDeletion
 from state.wire_ledger import SQLiteWireLedger, sqlite_put_turn
 from state.records import (
     JobRecord,
@@ -43,7 +44,7 @@ T = TypeVar("T")
 
 __all__ = ["Claim", "MemberOutcome", "Store", "VerifiedTurn", "now"]
 
-class Store(SQLiteFleet, SQLiteWireLedger):
+class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion):
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -360,7 +361,8 @@ class Store(SQLiteFleet, SQLiteWireLedger):
     async def recent_receipts(self, user_id: str, chat_id: str, limit: int = 10) -> list[str]:
         def q(db: sqlite3.Connection) -> list[str]:
             rows = db.execute(
-                "SELECT receipt_json FROM jobs WHERE user_id=? AND chat_id=? AND state=? ORDER BY finished_at DESC"
+                "SELECT receipt_json FROM jobs WHERE user_id=? AND chat_id=? AND state=? AND deleted_at IS NULL"
+                " ORDER BY finished_at DESC"
                 " LIMIT ?", (user_id, chat_id, JobState.DONE.value, limit)).fetchall()
             return [r[0] for r in rows]
 
@@ -371,7 +373,7 @@ class Store(SQLiteFleet, SQLiteWireLedger):
                         offset: int = 0, limit: int = 50, newest_first: bool = False) -> list[JobRecord]:
         """A chat's jobs (running ones too) in start order: ``(created_at, job_id)``, a total order
         that a later job never reorders, so a cursor of the last row seen pages stably."""
-        where, args = ["user_id=?", "chat_id=?"], [user_id, chat_id]
+        where, args = ["user_id=?", "chat_id=?", "deleted_at IS NULL"], [user_id, chat_id]
         if member_id is not None:
             where.append("member_id=?")
             args.append(member_id)
@@ -392,7 +394,7 @@ class Store(SQLiteFleet, SQLiteWireLedger):
 
     async def count_chat_jobs(self, user_id: str, chat_id: str, *, before: tuple[str, str] | None = None) -> int:
         """How many of the chat's jobs start before ``before`` (all of them without it)."""
-        sql, args = "SELECT COUNT(*) FROM jobs WHERE user_id=? AND chat_id=?", [user_id, chat_id]
+        sql, args = "SELECT COUNT(*) FROM jobs WHERE user_id=? AND chat_id=? AND deleted_at IS NULL", [user_id, chat_id]
         if before is not None:
             sql += " AND (created_at < ? OR (created_at = ? AND job_id < ?))"
             args += [before[0], before[0], before[1]]

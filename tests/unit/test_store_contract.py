@@ -362,3 +362,86 @@ async def test_postgres_outage_is_store_unavailable_and_short_ones_are_ridden_ou
             await anyio.to_thread.run_sync(pg.start)
         await patient.aclose()
         await impatient.aclose()
+
+
+# -- deleting a chat ------------------------------------------------------------------------------
+
+
+def _receipt(job_id: str, user: str, chat: str, text: str) -> str:
+    from datetime import UTC, datetime
+
+    from state.receipts import Receipt
+
+    ts = datetime.now(UTC)
+    return Receipt.model_validate({
+        "job_id": job_id, "user_id": user, "chat_id": chat, "member_id": "m", "runtime": "claude",
+        "context_status": "NEW", "outcome": "succeeded", "locator_before": None, "locator_after": "L-1",
+        "settlement": {"evidence": "result", "is_error": False, "detail": f"said {text}",
+                       "raw": [{"type": "result", "result": text}]},
+        "assistant_text": text, "timings_ms": {"sandbox": 1, "process": 2, "turn": 3, "total": 7},
+        "wire": {"requests": 2, "side_requests": 1, "history": "gap",
+                 "first_difference": {"index": 0, "role": "user", "expected_digest": "e" * 64}},
+        "started_at": ts, "finished_at": ts}).model_dump_json()
+
+
+async def _chat_with_everything(store: StoreContract, user: str, chat: str, text: str) -> None:
+    from datetime import UTC, datetime
+
+    from state.records import SandboxRecord, SandboxState
+    from state.wire_ledger import WireRecordRow, WireTurnRow
+
+    ts = datetime.now(UTC)
+    await store.put_sandbox(SandboxRecord(user_id=user, chat_id=chat, container_id=f"cid-{user}",
+                                          container_name=f"n-{user}", image_id="img", data_root_id="root",
+                                          host_id="h", state=SandboxState.RUNNING, created_at=ts, last_used_at=ts))
+    await store.ensure_member(user, chat, "m", "claude")
+    job = f"j-{user}"
+    await store.claim_job(job, user, chat, "m", "d", "o")
+    turn = WireTurnRow(user, chat, "m", job, 1, "failed", True, '{"digests": []}', f"query {text}", ts.isoformat())
+    await store.finish_job(user, job, _receipt(job, user, chat, text),
+                           MemberOutcome("NEW", "succeeded", VerifiedTurn(SavedLocator(id="L-1")), wire=turn))
+    await store.put_wire_record(WireRecordRow(f"r-{user}", user, chat, "m", job, "0001", "{}",
+                                              f'["{text}"]', ts.isoformat()))
+    await store.register_host("h", "http://127.0.0.1:1", 10, ttl_s=30)
+    assert await store.place_chat(user, chat) is not None
+
+
+def _rows_of(store: StoreContract, user: str) -> dict[str, int]:
+    return {t: sum(1 for r in store.raw_rows(t) if r["user_id"] == user)
+            for t in ("sandboxes", "members", "wire_records", "wire_turns", "placements")}
+
+
+async def test_delete_chat_keeps_tombstones_only_and_touches_no_other_chat(store: StoreContract) -> None:
+    from state.receipts import Receipt
+
+    await _chat_with_everything(store, "u1", "c", "secret reply one")
+    await store.claim_job("j-other-chat", "u1", "c2", "m", "d", "o")
+    await _chat_with_everything(store, "u2", "c", "reply of user two")
+    assert _rows_of(store, "u1") == {"sandboxes": 1, "members": 1, "wire_records": 1, "wire_turns": 1,
+                                     "placements": 1}
+
+    done = await store.delete_chat("u1", "c")
+    assert (done.tombstoned, done.removed) == (1, 5)
+    assert _rows_of(store, "u1") == {"sandboxes": 0, "members": 0, "wire_records": 0, "wire_turns": 0,
+                                     "placements": 0}
+    assert "secret reply one" not in repr([store.raw_rows(t) for t in ("jobs", "wire_records", "wire_turns")])
+    rec = await store.get_job("u1", "j-u1")
+    assert rec is not None and rec.deleted_at is not None and rec.state == JobState.DONE
+    tomb = Receipt.model_validate_json(rec.receipt_json)
+    assert (tomb.job_id, tomb.context_status, tomb.outcome, tomb.timings_ms.total) == ("j-u1", "NEW", "succeeded", 7)
+    assert (tomb.assistant_text, tomb.settlement.detail, tomb.settlement.raw) == ("", None, [])
+    assert (tomb.locator_after, tomb.wire.history, tomb.wire.first_difference) == (None, "gap", None)
+    assert tomb.deleted_at == rec.deleted_at
+    # the job fence still answers for the old job id; a new chat of that id lists none of it
+    assert (await store.claim_job("j-u1", "u1", "c", "m", "d", "o")).kind == "done"
+    assert await store.recent_receipts("u1", "c") == []
+    assert await store.chat_known("u1", "c") and not await store.chat_known("u1", "never")
+    # the same chat id of another user, and another chat of this user: untouched
+    assert _rows_of(store, "u2") == {"sandboxes": 1, "members": 1, "wire_records": 1, "wire_turns": 1,
+                                     "placements": 1}
+    assert "reply of user two" in (await store.recent_receipts("u2", "c"))[0]
+    assert (await store.get_job("u1", "j-other-chat")).state == JobState.RUNNING
+
+    again = await store.delete_chat("u1", "c")
+    assert (again.tombstoned, again.removed) == (0, 0)
+    assert Receipt.model_validate_json((await store.get_job("u1", "j-u1")).receipt_json) == tomb

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="idle-stop a chat's sandbox")
     stop.add_argument("user")
     stop.add_argument("chat")
+    dl = sub.add_parser("delete", help="delete a chat: its sandbox, native state and records (tombstones kept)")
+    dl.add_argument("user")
+    dl.add_argument("chat")
     ret = sub.add_parser("retire", help="retire a member's resident process")
     for n in ("user", "chat", "member"):
         ret.add_argument(n)
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             result = client.status(args.user, args.chat)
         elif args.command == "stop":
             result = client.stop(args.user, args.chat)
+        elif args.command == "delete":
+            result = client.delete(args.user, args.chat)
         elif args.command == "retire":
             result = client.retire(args.user, args.chat, args.member)
         elif args.command == "fork":

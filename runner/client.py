@@ -65,6 +65,9 @@ class DaemonClient:
     def stop(self, user_id: str, chat_id: str) -> Any:
         return self._json(self._http.post(f"/v1/users/{user_id}/chats/{chat_id}/stop"))
 
+    def delete(self, user_id: str, chat_id: str) -> Any:
+        return self._json(self._http.delete(f"/v1/users/{user_id}/chats/{chat_id}"))
+
     def retire(self, user_id: str, chat_id: str, member_id: str) -> Any:
         return self._json(self._http.post(f"/v1/users/{user_id}/chats/{chat_id}/members/{member_id}/retire"))
 

@@ -196,6 +196,19 @@ class Api:
             return error(404, "not_found")
         return JSONResponse({"stopped": await self.sup.stop_chat(*ids)})
 
+    async def delete_chat(self, request: Request) -> Response:
+        """Behind chat_guard: in a fleet the chat's owner host deletes it (its engine holds it)."""
+        ids = path_ids(request, "user_id", "chat_id")
+        if isinstance(ids, JSONResponse):
+            return ids
+        try:
+            result = await self.sup.delete_chat(*ids)
+        except StoreUnavailable as exc:
+            resp = error(503, "store_unavailable", str(exc))
+            resp.headers["retry-after"] = "5"
+            return resp
+        return error(404, "not_found") if result is None else JSONResponse(result.model_dump(mode="json"))
+
     async def retire_member(self, request: Request) -> Response:
         ids = path_ids(request, "user_id", "chat_id", "member_id")
         if isinstance(ids, JSONResponse):
@@ -253,6 +266,7 @@ class Api:
             Route("/v1/jobs", g(self.post_job), methods=["POST"]),
             Route("/v1/jobs/{job_id}", g(self.get_job), methods=["GET"]),
             Route(base, g(self.chat_status), methods=["GET"]),
+            Route(base, self.chat_guard(self.delete_chat), methods=["DELETE"]),
             Route(f"{base}/stop", g(self.stop_chat), methods=["POST"]),
             Route(f"{base}/members/{{member_id}}/retire", g(self.retire_member), methods=["POST"]),
             Route(f"{base}/members/{{member_id}}/fork", g(self.fork_member), methods=["POST"]),

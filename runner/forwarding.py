@@ -61,13 +61,15 @@ class FleetGate:
         return await self._by_route(request, route, raw)
 
     async def chat(self, request: Request, user_id: str, chat_id: str, raw: bytes) -> Response | None:
-        """Chat routes (status, stop, retire, fork): served by the chat's owner."""
+        """Chat routes (status, stop, delete, retire, fork): served by the chat's owner."""
         try:
             route = await self.fleet.route(user_id, chat_id, place=False)
             if route.kind == "lost":
                 await self.fleet.condemn(user_id, chat_id)
                 if request.method == "GET":
                     return None  # the shared store answers, now saying LOST host_lost
+                if request.method == "DELETE":
+                    return None  # its records go here; its sandbox went with its host's engine
                 return _error(409, "host_lost", "the chat's host is gone; its sandbox is not restored elsewhere")
         except StoreUnavailable as exc:
             return _error(503, "store_unavailable", str(exc), retry_after=5)

@@ -9,7 +9,7 @@ from runner.admission import QueuedEvent
 from runner.inspector_openapi import MODELS as INSPECTOR_MODELS
 from runner.inspector_openapi import inspector_paths
 from runner.job_stream import CutEvent
-from state.jobs import ID_PATTERN, ForkRequest, Job
+from state.jobs import ID_PATTERN, ChatDeleted, ForkRequest, Job
 from state.receipts import Receipt
 
 API_VERSION = "1"
@@ -22,7 +22,7 @@ def _ref(name: str) -> dict[str, str]:
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (Job, Receipt, ForkRequest, CutEvent, QueuedEvent, *INSPECTOR_MODELS):
+    for model in (Job, Receipt, ForkRequest, CutEvent, QueuedEvent, ChatDeleted, *INSPECTOR_MODELS):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -63,13 +63,24 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"200": {"description": "receipt", "content": {"application/json": {"schema": _ref("Receipt")}}},
                           "202": {"description": ("still running: {job_id, status: running}, or waiting for admission: "
                                                      "{job_id, status: queued, position}")}, "404": {"description": "not found", "content": e}}}},
-        "/v1/users/{user_id}/chats/{chat_id}": {"get": {
-            "summary": "Sandbox state, members, last receipts",
-            "description": ("sandbox: state (running|stopped|lost), lost_reason, stop_reason (disk_quota: kept "
-                            "stopped, turns refused), expires_at (when retention will remove it; null once "
-                            "LOST), last_used_at; members: runtime, locator, settled turns, resident, "
-                            "lost_reason (e.g. retention_expired); resident memory: GET /v1/host"),
-                                                        "parameters": chat, "responses": {"200": {"description": "status"}, "404": {"description": "not found"}}}},
+        "/v1/users/{user_id}/chats/{chat_id}": {
+            "get": {
+                "summary": "Sandbox state, members, last receipts",
+                "description": ("sandbox: state (running|stopped|lost), lost_reason, stop_reason (disk_quota: kept "
+                                "stopped, turns refused), expires_at (when retention will remove it; null once "
+                                "LOST), last_used_at; members: runtime, locator, settled turns, resident, "
+                                "lost_reason (e.g. retention_expired); resident memory: GET /v1/host"),
+                "parameters": chat, "responses": {"200": {"description": "status"}, "404": {"description": "not found"}}},
+            "delete": {
+                "summary": "Delete the chat: running turns cancelled (receipt reason chat_deleted), residents retired, "
+                           "container and state volume removed, member records, wire ledger and captured texts "
+                           "deleted; receipts kept only as tombstones (no assistant text, no locators). Idempotent; "
+                           "a later job on this chat id is a new chat (NEW)",
+                "parameters": chat,
+                "responses": {"200": {"description": "deleted (again: nothing left to remove)",
+                                      "content": {"application/json": {"schema": _ref("ChatDeleted")}}},
+                              "404": {"description": "no such chat of this user", "content": e},
+                              "503": {"description": "store_unavailable, host_fenced, host_unreachable", "content": e}}}},
         "/v1/users/{user_id}/chats/{chat_id}/stop": {"post": {"summary": "Idle-stop the sandbox (writable layer kept)",
                                                               "parameters": chat, "responses": {"200": {"description": "stopped"}}}},
         "/v1/users/{user_id}/chats/{chat_id}/members/{member_id}/retire": {"post": {

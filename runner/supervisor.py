@@ -27,6 +27,7 @@ from images.pins import load_pins
 from runner.admission import Grant, HostBusy
 from runner.capacity import HostCapacity
 from runner.capacity_metrics import CapacityMetrics
+from runner.chat_deletion import ChatDeletions, delete_chat
 from runner.config import Settings
 from runner.forks import Forker
 from runner.job_stream import JobStream
@@ -39,7 +40,7 @@ from runner.sweeps import Sweeps
 from runner.turn import TestHooks, TurnRunner
 from sandbox_manager.engine import DockerEngine, Engine
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
-from state.jobs import ForkRequest, Job
+from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job
 from state.receipts import Outcome, Receipt
 from state.records import SandboxState
 from state.backends import open_store
@@ -70,6 +71,8 @@ class _Job:
     grant: Grant
     done: anyio.Event = field(default_factory=anyio.Event)
     receipt: Receipt | None = None
+    # made at submit, entered when the job runs: a chat deletion may cancel it even before
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
 def driver_options(settings: Settings) -> DriverOptions:
@@ -106,6 +109,7 @@ class Supervisor:
                                  driver_options=driver_options(settings), launch_gate=self.memory.launching)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self._jobs: dict[tuple[str, str], _Job] = {}
+        self.deletions = ChatDeletions()
         self._tg: TaskGroup | None = None
         self.started_at = datetime.now(UTC)
 
@@ -242,9 +246,14 @@ class Supervisor:
         job = entry.job
         last: dict[str, Any] = {"type": "error", "error": "internal_error", "detail": "cancelled"}
         try:
-            await self.capacity.make_room(entry.grant)
-            async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
-                receipt = await self.runner.execute(job, entry.stream.emit)
+            with entry.scope:
+                # a job that came while its chat is being deleted runs after it, on the new chat
+                await self.deletions.wait_clear((job.user_id, job.chat_id))
+                await self.capacity.make_room(entry.grant)
+                async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
+                    receipt = await self.runner.execute(job, entry.stream.emit)
+            if entry.scope.cancelled_caught:
+                receipt = await self._close_cancelled(job)
             entry.receipt = receipt
             self.metrics.observe(receipt)
             last = {"type": "receipt", "receipt": receipt.model_dump(mode="json")}
@@ -285,6 +294,14 @@ class Supervisor:
         with anyio.CancelScope(shield=True):
             await self.store.finish_job(job.user_id, job.job_id, receipt.model_dump_json(), None)
         return receipt
+
+    async def _close_cancelled(self, job: Job) -> Receipt:
+        """A job its chat's deletion cancelled: the receipt the turn committed as it was
+        cancelled, or (cancelled before its turn ran) a not_settled one saying why."""
+        rec = await self.store.get_job(job.user_id, job.job_id)
+        if rec is not None and rec.receipt_json is not None:
+            return Receipt.model_validate_json(rec.receipt_json)
+        return await self._close_unsettled(job, CHAT_DELETED)
 
     async def run_job(self, job: Job) -> tuple[Receipt | None, list[dict[str, Any]], str]:
         """Library call: dispatch and wait. Returns (receipt, events, submission kind)."""
@@ -355,6 +372,16 @@ class Supervisor:
             stopped = await self.manager.stop(user_id, chat_id)
             await self.model_path.close(user_id, chat_id)
             return stopped
+
+    async def delete_chat(self, user_id: str, chat_id: str) -> ChatDeleted | None:
+        """Delete a chat (runner.chat_deletion); None: no such chat of this user. Deleting a
+        deleted chat again removes nothing."""
+        if not await self.store.chat_known(user_id, chat_id):
+            return None
+        return await delete_chat(self, user_id, chat_id)
+
+    def jobs_of_chat(self, chat: tuple[str, str]) -> list[_Job]:
+        return [e for e in self._jobs.values() if (e.job.user_id, e.job.chat_id) == chat]
 
     async def fork(self, user_id: str, chat_id: str, member_id: str, req: ForkRequest) -> dict[str, Any]:
         """A new member whose native session is a fork (raises ForkError with a status)."""

@@ -123,6 +123,8 @@ class TurnRunner:
         # Capacity: waits until a new resident may start (the memory budget) and holds its
         # place until the resident is in the pool.
         self.launch_gate = launch_gate
+        # (user_id, job_id) -> why a turn is being cancelled (its receipt's reason), e.g. chat_deleted
+        self.cancel_reasons: dict[tuple[str, str], str] = {}
 
     def driver(self, runtime: str) -> Driver:
         """The runtime's driver with this host's launch inputs (pins, compaction policy)."""
@@ -339,7 +341,8 @@ class TurnRunner:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.pool.retire(key, "turn cancelled")
-                receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason="cancelled")
+                why = self.cancel_reasons.get((job.user_id, job.job_id), "cancelled")
+                receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason=why)
                 await self._commit(ctx, receipt, None)
             raise
         ctx.timings.turn = ctx.ms_since(t)

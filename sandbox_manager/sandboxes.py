@@ -11,12 +11,14 @@ hidden by quietly creating a fresh container.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+import anyio
 import structlog
 
 from images.checks import check_image_labels
@@ -123,6 +125,12 @@ class Sandbox:
     @property
     def helper_version(self) -> str | None:
         return self.image.labels.get("http-agent-live-bridge")
+
+
+@dataclass(frozen=True)
+class Removal:
+    container: bool  # a container of the chat was removed by this call
+    volume: bool  # its state volume was removed by this call
 
 
 @dataclass(frozen=True)
@@ -341,6 +349,35 @@ class SandboxManager:
         self._changed(user_id, chat_id, SandboxState.STOPPED)
         log.info("sandbox.stopped", container=rec.container_name)
         return True
+
+    async def remove(self, user_id: str, chat_id: str) -> Removal:
+        """Delete the chat's sandbox on this host's engine: its container (by the recorded id,
+        and by name for one the store lost track of), its state volume and its model socket
+        directory. Another host's sandbox is not this engine's to remove. Idempotent."""
+        rec = await self.store.get_sandbox(user_id, chat_id)
+        if rec is not None and rec.host_id != self.config.host_id:
+            return Removal(container=False, volume=False)
+        container = False
+        for ref in dict.fromkeys(r for r in (rec.container_id if rec else None, container_name(user_id, chat_id)) if r):
+            try:
+                await self.engine.remove(ref)  # force: a running container and its processes end here
+                container = True
+            except NotFound:
+                pass
+        volume = await self._remove_volume(rec)
+        if rec is not None:
+            self._changed(user_id, chat_id, SandboxState.LOST)  # the capacity's room: it runs no more
+        if self.config.socket_root is not None:
+            sockets = self.socket_dir(user_id, chat_id)
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(sockets, ignore_errors=True))
+        log.info("sandbox.removed", container=container_name(user_id, chat_id), removed=container, volume=volume)
+        return Removal(container=container, volume=volume)
+
+    async def _remove_volume(self, rec: SandboxRecord | None) -> bool:
+        """The chat's state volume (SPEC 15). Sandboxes keep their native state in the writable
+        layer until state volumes land: then this removes the recorded volume, and False says
+        there was none."""
+        return False
 
     # -- member processes ------------------------------------------------------------------------
 

@@ -45,6 +45,14 @@ def test_exit_codes_and_json(tmp_path, sandbox_image) -> None:
         assert json.loads(cli(dp.url, token, "stop", "u1", "c1").stdout) == {"stopped": True}
         missing = cli(dp.url, token, "status", "u1", "nope")
         assert missing.returncode == 1 and "HTTP 404" in missing.stderr
+        deleted = json.loads(cli(dp.url, token, "delete", "u1", "c1").stdout)
+        assert (deleted["deleted"], deleted["container_removed"], deleted["tombstoned_receipts"]) == (True, True, 3)
+        again = cli(dp.url, token, "delete", "u1", "c1")
+        assert again.returncode == 0 and json.loads(again.stdout)["container_removed"] is False
+        gone = cli(dp.url, token, "delete", "u2", "c1", "--json")
+        assert gone.returncode == 1 and json.loads(gone.stderr) == {"status": 404, "error": {"error": "not_found"}}
+        after = cli(dp.url, token, "status", "u1", "c1")
+        assert after.returncode == 1 and "HTTP 404" in after.stderr
         bad = tmp_path / "bad-token"
         bad.write_text("x" * len(TOKEN))
         denied = cli(dp.url, str(bad), "attest")

@@ -75,7 +75,7 @@ def test_dev_mode_on_loopback_serves_without_a_token(tmp_path, fx, sandbox_image
 
 ROUTES = [
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs/job-1?user_id=u1"), ("GET", "/v1/users/u1/chats/c1"),
-    ("POST", "/v1/users/u1/chats/c1/stop"), ("POST", "/v1/users/u1/chats/c1/members/m1/retire"),
+    ("POST", "/v1/users/u1/chats/c1/stop"), ("DELETE", "/v1/users/u1/chats/c1"), ("POST", "/v1/users/u1/chats/c1/members/m1/retire"),
     ("POST", "/v1/users/u1/chats/c1/members/m1/fork"), ("GET", "/v1/attestation"), ("GET", "/openapi.json"),
     ("GET", "/readyz"), ("GET", "/v1/users/u1/chats/c1/turns"), ("GET", "/v1/users/u1/chats/c1/inspect"),
     ("GET", "/v1/host"),

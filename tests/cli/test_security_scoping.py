@@ -76,6 +76,9 @@ async def test_a_second_user_can_neither_see_nor_touch_nor_recall_the_victims_ch
         # stop the victim's chat, retire and fork the victim's member
         assert same_answer(await c_.post(f"/v1/users/{a}/chats/{c}/stop"),
                            await c_.post(f"/v1/users/{a}/chats/{nope}/stop")) == not_found
+        # delete the victim's chat
+        assert same_answer(await c_.delete(f"/v1/users/{a}/chats/{c}"),
+                           await c_.delete(f"/v1/users/{a}/chats/{nope}")) == not_found
         assert same_answer(await c_.post(f"/v1/users/{a}/chats/{c}/members/{m}/retire"),
                            await c_.post(f"/v1/users/{a}/chats/{nope}/members/{m}/retire")) == not_found
         fork = {"new_member_id": "stolen"}

@@ -90,3 +90,29 @@ async def test_a_paused_heartbeat_lets_the_lease_run_out(tmp_path) -> None:
         await anyio.sleep(1.0)  # the next renewal is refused: fenced for good
         assert a.fenced
         tg.cancel_scope.cancel()
+
+
+async def test_a_lost_hosts_chat_is_deleted_here_and_a_live_owners_is_forwarded(tmp_path) -> None:
+    from starlette.requests import Request
+
+    from runner.forwarding import FleetGate
+
+    def request(method: str) -> Request:
+        return Request({"type": "http", "method": method, "path": "/v1/users/u/chats/c1", "query_string": b"",
+                        "headers": []})
+
+    a, b = await two_hosts(tmp_path)
+    assert (await a.route("u", "c1", place=True)).kind == "local"
+    gate = FleetGate(b, None, owner="owner-b", timeout_s=1.0)
+    try:
+        # a live owner: b forwards the deletion to a (which is not listening here: 503, nothing done)
+        forwarded = await gate.chat(request("DELETE"), "u", "c1", b"")
+        assert (forwarded.status_code, forwarded.body) == (503, b'{"error":"host_unreachable","detail":'
+                                                                 b'"the chat\'s host does not answer (it is lost'
+                                                                 b' once its lease expires)"}')
+        await a.store.renew_lease(a.lease, 0.0)  # a's lease runs out: its chats are lost
+        assert await gate.chat(request("DELETE"), "u", "c1", b"") is None  # deleted by b, from the store
+        refused = await gate.chat(request("POST"), "u", "c1", b"")
+        assert refused.status_code == 409 and b"host_lost" in refused.body
+    finally:
+        await gate.aclose()

@@ -28,3 +28,17 @@ def test_every_route_is_documented() -> None:
     # Starlette's path converters ({path:path}) are not OpenAPI's templating ({path}).
     routes = {re.sub(r"\{(\w+):\w+\}", r"{\1}", p) for p in routes}
     assert routes - {"/openapi.json"} == set(openapi_document()["paths"])
+
+
+def test_every_route_method_is_documented() -> None:
+    from runner.daemon import Api
+
+    class _Sup:
+        pass
+
+    served = {(re.sub(r"\{(\w+):\w+\}", r"{\1}", r.path), m.lower())
+              for r in Api(_Sup(), None, max_message_bytes=1).routes()  # type: ignore[arg-type]
+              for m in (r.methods or set()) - {"HEAD"} if r.path != "/openapi.json"}
+    documented = {(p, m) for p, ops in openapi_document()["paths"].items() for m in ops}
+    assert served == documented
+    assert ("/v1/users/{user_id}/chats/{chat_id}", "delete") in served

@@ -45,6 +45,8 @@ from state.receipts import Outcome, Receipt
 from state.records import SandboxState
 from state.backends import open_store
 from state.contract import Fenced, StoreContract, StoreUnavailable
+from telemetry import turn_trace
+from telemetry.turn_trace import mark
 
 log = structlog.get_logger("supervisor")
 
@@ -216,7 +218,10 @@ class Supervisor:
         claim. Nothing durable is written before admission (runner.admission)."""
         if self._tg is None:
             raise RuntimeError("supervisor is not running")
+        if self.hooks.turn_trace is not None:  # bench mode only
+            self.hooks.turn_trace(turn_trace.begin(job.job_id))
         seen = await self.store.get_job(job.user_id, job.job_id)
+        mark("fence_read")
         if seen is not None:
             return _repeat(seen.body_digest != job.digest(), seen.receipt_json)
         if self.capacity.admission.position_of(job.user_id, job.job_id) is not None:
@@ -227,12 +232,14 @@ class Supervisor:
         except HostBusy as busy:
             log.info("job.host_busy", job_id=job.job_id, waited_ms=busy.waited_ms, position=busy.position)
             return Submission("busy", busy=busy)
+        mark("admitted")
         try:
             claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(),
                                                self.owner)
         except BaseException:
             self.capacity.release(grant)
             raise
+        mark("claimed")
         if claim.kind != "claimed":
             self.capacity.release(grant)  # dispatched twice while queued: the first one won
             assert claim.job is not None
@@ -250,7 +257,9 @@ class Supervisor:
                 # a job that came while its chat is being deleted runs after it, on the new chat
                 await self.deletions.wait_clear((job.user_id, job.chat_id))
                 await self.capacity.make_room(entry.grant)
+                mark("room_made")
                 async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
+                    mark("locked")
                     receipt = await self.runner.execute(job, entry.stream.emit)
             if entry.scope.cancelled_caught:
                 receipt = await self._close_cancelled(job)
@@ -282,6 +291,7 @@ class Supervisor:
             self.memory.notify()  # its resident is idle now: a waiting launch may retire it
             entry.done.set()
             entry.stream.finish(last)
+            mark("receipt_framed")
             self._jobs.pop((job.user_id, job.job_id), None)
 
     async def _close_unsettled(self, job: Job, reason: str) -> Receipt:

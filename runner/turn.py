@@ -49,6 +49,7 @@ from state.jobs import Job
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
 from state.records import MemberRecord, SavedLocator
 from state.store import MemberOutcome, Store, VerifiedTurn
+from telemetry.turn_trace import TurnTrace, mark
 
 log = structlog.get_logger("turn")
 
@@ -65,6 +66,8 @@ class TestHooks:
     lease_paused: Callable[[], bool] | None = None  # a fleet host's heartbeat pauses while True
     # the model proxy rewrites a request body before auditing and forwarding it (route name, body)
     rewrite_model_request: Callable[[str, bytes], bytes] | None = None
+    # bench mode (issue 16): each submitted job gets a TurnTrace of per-phase marks, handed here
+    turn_trace: Callable[[TurnTrace], None] | None = None
 
 
 def to_locator(saved: SavedLocator | None) -> Locator | None:
@@ -138,6 +141,7 @@ class TurnRunner:
         """The chat's sandbox with its model socket listening (opened first: the container's
         command connects to it as it starts). A lost sandbox's socket is closed again."""
         await self.model_path.open(user_id, chat_id)
+        mark("model_socket")
         try:
             return await self.manager.resolve(user_id, chat_id)
         except (SandboxLost, ImageRefused):
@@ -160,7 +164,7 @@ class TurnRunner:
         elif detail:
             info = SettlementInfo(detail=detail)
         before = ctx.member.locator.id if ctx.member and ctx.member.locator else None
-        return Receipt(
+        receipt = Receipt(
             job_id=job.job_id, user_id=job.user_id, chat_id=job.chat_id, member_id=job.member_id,
             runtime=job.runtime, context_status=ctx.status, outcome=outcome, reason=reason,
             locator_before=before, locator_after=locator_after if locator_after is not None else before,
@@ -170,12 +174,15 @@ class TurnRunner:
             cli_version=ctx.cli_version or load_pins().cli[job.runtime].version,
             timings_ms=ctx.timings, started_at=ctx.started_at, finished_at=datetime.now(UTC),
         )
+        mark("receipt_built")
+        return receipt
 
     async def _commit(self, ctx: TurnContext, receipt: Receipt, verified: Locator | None) -> Receipt:
         with anyio.CancelScope(shield=True):
             settled = (ctx.member.settled_turns if ctx.member else 0) + (1 if verified is not None else 0)
             wire, row = await self.model_path.settle(receipt, ctx.member, message=ctx.job.message,
                                                      compaction=ctx.compacted, settled_index=settled)
+        mark("wire_settled")
         receipt = receipt.model_copy(update={"wire": wire})
         member = MemberOutcome(
             last_status=receipt.context_status.value if receipt.context_status else "-",
@@ -185,6 +192,7 @@ class TurnRunner:
         )
         with anyio.CancelScope(shield=True):
             await self.store.finish_job(receipt.user_id, receipt.job_id, receipt.model_dump_json(), member)
+        mark("committed")
         log.info("turn.committed", job_id=receipt.job_id, runtime=receipt.runtime,
                  status=receipt.context_status, outcome=receipt.outcome, reason=receipt.reason,
                  total_ms=receipt.timings_ms.total, wire=wire.history)
@@ -215,11 +223,13 @@ class TurnRunner:
             return await self._commit(ctx, self._receipt(ctx, Outcome.NOT_SETTLED, reason=ns.reason,
                                                          detail=ns.detail), None)
         emit({"type": "status", "context_status": ctx.status.value if ctx.status else None})
+        mark("status_emitted")
         return await self._run(ctx, key, session)
 
     async def _prepare(self, ctx: TurnContext, key: tuple[str, str, str]) -> NativeSession:
         job = ctx.job
         member = await self.store.get_member(*key)
+        mark("member_read")
         ctx.member = member
         if member is not None and member.runtime != job.runtime:
             raise Refusal("runtime_mismatch", status=None, sticky=False)
@@ -261,6 +271,7 @@ class TurnRunner:
             ctx.cli_version = resident.session.cli_version
             resident.last_used = time.monotonic()
             ctx.timings.process = ctx.ms_since(t)
+            mark("process_ready")
             return resident.session
         if resident is not None:
             await self.pool.retire(key, "stale before turn")
@@ -271,6 +282,7 @@ class TurnRunner:
         resume = to_locator(saved) if ctx.status == ContextStatus.RESTORED else None
         session = await self._launch(ctx, key, resume)
         ctx.timings.process = ctx.ms_since(t)
+        mark("process_ready")
         return session
 
     async def _launch(self, ctx: TurnContext, key: tuple[str, str, str], resume: Locator | None) -> NativeSession:
@@ -290,6 +302,7 @@ class TurnRunner:
             launch = driver.plan(member_paths(dirs), gateway, resume)
         async with self.launch_gate(key, job.runtime) if self.launch_gate else nullcontext():
             proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
+            mark("attached")
             transport: Transport = exec_transport(proc.stream)
             if self.hooks.wrap_transport is not None:
                 transport = self.hooks.wrap_transport(transport, job.runtime)
@@ -317,6 +330,7 @@ class TurnRunner:
             await self.pool.retire(key, "launch interrupted")
             raise
         ctx.cli_version = session.cli_version
+        mark("handshake")
         return session
 
     async def _run(self, ctx: TurnContext, key: tuple[str, str, str], session: NativeSession) -> Receipt:
@@ -326,7 +340,13 @@ class TurnRunner:
         else:
             expected = to_locator(ctx.member.locator)
 
+        first = True
+
         def forward(event: Any) -> None:
+            nonlocal first
+            if first:
+                first = False
+                mark("first_event")
             ctx.emit({"type": "event", **event.model_dump(exclude={"raw"})})
 
         t = time.monotonic()
@@ -346,6 +366,7 @@ class TurnRunner:
                 await self._commit(ctx, receipt, None)
             raise
         ctx.timings.turn = ctx.ms_since(t)
+        mark("settled")
         if self.pool.get(key) is not None:
             self.pool.get(key).last_used = time.monotonic()
         ctx.compacted = bool(getattr(outcome, "compacted", False))

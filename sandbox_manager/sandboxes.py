@@ -27,6 +27,7 @@ from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEnt
 from sandbox_manager.exec_stream import ExecStream
 from state.records import SandboxRecord, SandboxState
 from state.store import Store, now
+from telemetry.turn_trace import mark
 
 log = structlog.get_logger("sandbox")
 
@@ -214,6 +215,7 @@ class SandboxManager:
     async def resolve(self, user_id: str, chat_id: str, *, create: bool = True) -> Sandbox:
         """The chat's retained sandbox, running and integrity-checked, or SandboxLost."""
         rec = await self.store.get_sandbox(user_id, chat_id)
+        mark("sandbox_record")
         if rec is None:
             if not create:
                 raise KeyError((user_id, chat_id))
@@ -239,6 +241,7 @@ class SandboxManager:
             await self._gate_ready(info, t)
         rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
         await self.store.touch_sandbox(user_id, chat_id)
+        mark("sandbox_touched")
         self._changed(user_id, chat_id, SandboxState.RUNNING)
         return Sandbox(record=rec, container=info, image=image, started=started)
 
@@ -246,6 +249,7 @@ class SandboxManager:
         if rec.host_id != self.config.host_id:
             raise SandboxLost(LostReason.WRONG_HOST, f"recorded on host {rec.host_id}")
         current_root = await self.current_data_root_id()
+        mark("data_root")
         if current_root != rec.data_root_id:
             raise SandboxLost(LostReason.DATA_ROOT_CHANGED,
                               f"created in data root {rec.data_root_id[:12]}, engine now has "
@@ -254,6 +258,7 @@ class SandboxManager:
             info = await self.engine.inspect(rec.container_id)
         except NotFound:
             raise SandboxLost(LostReason.CONTAINER_MISSING, f"container {rec.container_name} is gone") from None
+        mark("container_inspect")
         if info.id != rec.container_id:
             raise SandboxLost(LostReason.CONTAINER_REPLACED, f"{info.id[:12]} is not {rec.container_id[:12]}")
         want = self.identity_labels(rec.user_id, rec.chat_id, rec.data_root_id)
@@ -270,6 +275,7 @@ class SandboxManager:
         problems = check_image_labels(image.labels, require_helper=self.config.require_helper)
         if problems:
             raise SandboxLost(LostReason.IMAGE_UNSUPPORTED, "; ".join(problems))
+        mark("image_inspect")
         return info, image
 
     def _check_sealed(self, rec: SandboxRecord, info: ContainerInfo) -> None:

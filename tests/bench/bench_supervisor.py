@@ -1,192 +1,335 @@
-"""Supervisor overhead, measured side by side in one run (Codex: the fastest CLI to start).
+"""Supervisor overhead for all five CLIs, measured side by side in one run (issue 16).
 
-    uv run python tests/bench/bench_supervisor.py [N]
+    uv run python tests/bench/bench_supervisor.py [N] [--runtimes claude,codex,pi,opencode,kilo]
+                                                  [--chats 16] [--rounds 3]
 
-1. LIVE turn through the daemon  ÷  the same CLI driven by a bare `docker exec -i` script in
-   the same container against the same fixture.
-2. RESTORED turn after a sandbox stop (daemon: stop route + job)  ÷  (docker stop/start +
-   bare resume + turn).
-3. Sandbox create+start (SandboxManager.resolve of a new chat)  ÷  raw SDK create+start.
-4. 16 chats dispatched concurrently: throughput, latency, failures.
+One in-process daemon (uvicorn + the API client in this process), one loopback fixture, the
+pinned image. Per CLI:
+
+1. LIVE: N turns through the daemon's job API (POST → receipt line) against N turns of a
+   **bare** session: the same driver on its own attached exec in the same container, called
+   directly (no API, admission, locks, integrity checks, store, receipt). The difference is
+   the supervisor's whole per-turn overhead; p50 and p99 of the added milliseconds.
+2. RESTORED after a stop: daemon (stop route, then a job) ÷ bare (engine start, gate ready,
+   exec, resume handshake, turn).
+3. First event latency: the CLI's stdout line as the transport reads it → the API client's
+   NDJSON line of the event it became (p50).
+4. Throughput: ``--chats`` chats × ``--rounds`` LIVE turns dispatched concurrently through the
+   daemon ÷ the same number of bare sessions (one per chat container) driven concurrently.
+
+Once: sandbox create+start (SandboxManager.resolve of a new chat) ÷ raw SDK create+start.
+With bench mode available (``TestHooks.turn_trace``) it also prints the median per-phase
+breakdown of the daemon's LIVE turns. The load average is printed with the figures.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import anyio
 import docker
 
 from deploy.loopback import LoopbackFixture
-from drivers.codex import CodexDriver
+from drivers.models import Locator
+from drivers.transport import Transport, TransportWrapper
 from images.build import ensure_image
-from runner.processes import member_paths
-from sandbox_manager.engine import FileEntry
+from runner.processes import member_paths, start_in_sandbox
+from runner.transport import exec_transport
+from runner.turn import TestHooks
 from tests.daemon_harness import daemon_settings, running_daemon
 
+RUNTIMES = ("claude", "codex", "pi", "opencode", "kilo")
+TRACING = "turn_trace" in {f.name for f in fields(TestHooks)}
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
 
-
-def fmt(xs: list[float]) -> str:
+def pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
-    return f"{med(s):8.1f} ms (min {s[0]:.1f}, max {s[-1]:.1f}, n={len(s)})"
+    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
-class BareCodex:
-    """A bare JSON-RPC script over `docker exec -i` (one docker client process)."""
-
-    def __init__(self, container: str, argv: list[str], env: dict[str, str]) -> None:
-        flags = [f for k, v in env.items() for f in ("-e", f"{k}={v}")]
-        self.p = subprocess.Popen(["docker", "exec", "-i", "-u", "agent", "-w", "/home/agent/workspace", *flags,
-                                   container, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  bufsize=1)
-        self.n = 0
-
-    def call(self, method: str, params: dict) -> dict:
-        self.n += 1
-        rid = self.n
-        self.p.stdin.write(json.dumps({"method": method, "id": rid, "params": params}) + "\n")
-        self.p.stdin.flush()
-        while True:
-            msg = json.loads(self.p.stdout.readline())
-            if msg.get("id") == rid and "method" not in msg:
-                return msg
-
-    def notify(self, method: str) -> None:
-        self.p.stdin.write(json.dumps({"method": method}) + "\n")
-        self.p.stdin.flush()
-
-    def turn(self, thread: str, text: str) -> None:
-        resp = self.call("turn/start", {"threadId": thread, "input": [{"type": "text", "text": text}]})
-        turn_id = resp["result"]["turn"]["id"]
-        while True:
-            msg = json.loads(self.p.stdout.readline())
-            if msg.get("method") == "turn/completed" and msg["params"]["turn"]["id"] == turn_id:
-                return
-
-    def close(self) -> None:
-        self.p.stdin.close()
-        self.p.wait(timeout=10)
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-async def main(n: int) -> None:
+class Stamps:
+    """perf_counter_ns of every CLI stdout line the daemon's transports read (bench only)."""
+
+    def __init__(self) -> None:
+        self.lines: list[int] = []
+
+    def wrap(self, transport: Transport, runtime: str) -> Transport:
+        stamps = self
+
+        class Stamped(TransportWrapper):
+            async def receive(self) -> bytes | None:
+                line = await self.inner.receive()
+                stamps.lines.append(time.perf_counter_ns())
+                return line
+
+        return Stamped(transport)
+
+    def before(self, t: int) -> int | None:
+        """The last line read at or before ``t`` (the one an event at ``t`` came from)."""
+        best = None
+        for s in reversed(self.lines):
+            if s <= t:
+                best = s
+                break
+        return best
+
+
+class Bare:
+    """The same driver on its own exec in the chat's container, no supervisor in between."""
+
+    def __init__(self, sup: Any, user: str, chat: str, runtime: str, member: str = "bare") -> None:
+        self.sup, self.user, self.chat, self.runtime, self.member = sup, user, chat, runtime, member
+        self.driver = sup.runner.driver(runtime)
+        self.dirs = sup.manager.member_dirs(member)
+        self.session: Any = None
+        self.locator: Locator | None = None
+
+    async def start(self, sandbox: Any, resume: Locator | None = None) -> None:
+        gateway = self.sup.runner.gateway(self.runtime, self.user, self.chat, self.member)
+        launch = self.driver.plan(member_paths(self.dirs), gateway, resume)
+        proc = await start_in_sandbox(self.sup.manager, sandbox, self.dirs, launch, name="bare")
+        self.session = self.driver.session(exec_transport(proc.stream), launch)
+        await self.session.handshake()
+
+    async def turn(self, message: str) -> None:
+        out = await self.session.run_turn(message, emit=lambda ev: None, timeout_s=300)
+        assert not getattr(out, "is_error", True) and getattr(out, "observed_locator", None), out
+        self.locator = out.observed_locator
+        self.session.locator = out.observed_locator
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close(3.0)
+            await self.session.transport.close()
+
+
+async def timed_job(d: Any, job: dict[str, Any]) -> tuple[float, dict[str, Any] | None, int | None, int]:
+    """(wall ms, receipt, perf_counter_ns when the client read the first event line, t0)."""
+    import json
+
+    t0 = time.perf_counter_ns()
+    first = None
+    receipt = None
+    async with d.client.stream("POST", "/v1/jobs", json=job) as resp:
+        async for line in resp.aiter_lines():
+            if not line.strip():
+                continue
+            if first is None and line.startswith('{"type": "event"'):
+                first = time.perf_counter_ns()
+            ev = json.loads(line)
+            if ev.get("type") == "receipt":
+                receipt = ev["receipt"]
+    return (time.perf_counter_ns() - t0) / 1e6, receipt, first, t0
+
+
+async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
+                        traces: dict[str, Any]) -> dict[str, Any]:
+    sup = d.daemon.supervisor
+    user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
+
+    def job(msg: str, c: str = chat, m: str = "m1") -> dict[str, Any]:
+        return {"job_id": uuid.uuid4().hex, "user_id": user, "chat_id": c, "member_id": m,
+                "runtime": runtime, "message": msg}
+
+    out: dict[str, Any] = {"load": {}}
+    _, r, _, _ = await timed_job(d, job("warm up"))
+    assert r and r["outcome"] == "succeeded", r
+    _, r, _, _ = await timed_job(d, job("warm up live"))
+    assert r and r["context_status"] == "LIVE", r
+    sb = await sup.manager.resolve(user, chat)
+    bare = Bare(sup, user, chat, runtime)
+    await bare.start(sb)
+    await bare.turn("bare warm up")
+    await bare.turn("bare warm up live")
+    # ---- LIVE, alternating daemon / bare so machine noise hits both alike
+    live_d, live_b, first_ev, phase_rows = [], [], [], []
+    for i in range(n):
+        ms, r, first, t0 = await timed_job(d, job(f"live {i}"))
+        assert r and r["context_status"] == "LIVE" and r["outcome"] == "succeeded", r
+        live_d.append(ms)
+        trace = traces.get(r["job_id"])
+        if trace is not None:
+            marks = dict(trace.marks)
+            if first is not None and "first_event" in marks:
+                line = stamps.before(marks["first_event"])
+                if line is not None:
+                    first_ev.append((first - line) / 1e6)
+            phase_rows.append([("http_in", (trace.marks[0][1] - t0) / 1e6)] + trace.spans_ms() + [("client_got_receipt", ms - (trace.marks[-1][1] - t0) / 1e6)])
+        t = time.perf_counter_ns()
+        await bare.turn(f"bare live {i}")
+        live_b.append((time.perf_counter_ns() - t) / 1e6)
+    out["load"]["live"] = load()
+    out["live_d"], out["live_b"], out["first"], out["phases"] = live_d, live_b, first_ev, phase_rows
+    # ---- RESTORED after a stop
+    rest_d, rest_b = [], []
+    cid = sb.container_id
+    for i in range(max(3, n // 4)):
+        await bare.close()
+        await d.client.post(f"/v1/users/{user}/chats/{chat}/stop")
+        ms, r, _, _ = await timed_job(d, job(f"restored {i}"))
+        assert r and r["context_status"] == "RESTORED" and r["outcome"] == "succeeded", r
+        rest_d.append(ms)
+        # bare: the same stop, then start + gate + exec + resume + turn with nothing in between
+        await sup.pool.retire((user, chat, "m1"), "bench")
+        await sup.manager.engine.stop(cid)
+        t = time.perf_counter_ns()
+        since = time.time()
+        await sup.manager.engine.start(cid)
+        await sup.manager._gate_ready(await sup.manager.engine.inspect(cid), since)
+        await bare.start(sb, resume=bare.locator)  # the same container: its Sandbox still names it
+        await bare.turn(f"bare restored {i}")
+        rest_b.append((time.perf_counter_ns() - t) / 1e6)
+    await bare.close()
+    out["load"]["restored"] = load()
+    out["rest_d"], out["rest_b"] = rest_d, rest_b
+    # ---- throughput: chats × rounds LIVE turns, daemon vs bare, concurrently
+    conc = [f"{runtime}-c{i}-{uuid.uuid4().hex[:4]}" for i in range(chats)]
+    failures: list[str] = []
+    bares: list[Bare] = []
+
+    async def warm(c: str) -> None:
+        _, r, _, _ = await timed_job(d, job("warm", c=c))
+        if not r or r["outcome"] != "succeeded":
+            failures.append(f"warm {r and r.get('reason')}")
+            return
+        b = Bare(sup, user, c, runtime)
+        await b.start(await sup.manager.resolve(user, c))
+        await b.turn("warm")
+        bares.append(b)
+
+    async with anyio.create_task_group() as tg:
+        for c in conc:
+            tg.start_soon(warm, c)
+
+    async def daemon_chat(c: str) -> None:
+        for k in range(rounds):
+            _, r, _, _ = await timed_job(d, job(f"conc {k}", c=c))
+            if not r or r["outcome"] != "succeeded" or r["context_status"] != "LIVE":
+                failures.append(f"{r and r.get('context_status')} {r and r.get('reason')}")
+
+    async def bare_chat(b: Bare) -> None:
+        for k in range(rounds):
+            await b.turn(f"conc {k}")
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for c in conc:
+            tg.start_soon(daemon_chat, c)
+    out["tp_d"] = chats * rounds / (time.perf_counter() - t)
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for b in bares:
+            tg.start_soon(bare_chat, b)
+    out["tp_b"] = len(bares) * rounds / (time.perf_counter() - t)
+    out["load"]["throughput"] = load()
+    out["failures"] = failures
+    for b in bares:
+        await b.close()
+    for c in [chat, *conc]:
+        await d.client.post(f"/v1/users/{user}/chats/{c}/stop")
+    return out
+
+
+async def bench_create(sup: Any, image: str, n: int) -> tuple[list[float], list[float]]:
+    client = docker.from_env()
+    mgr, raw = [], []
+    for _ in range(n):
+        chat = f"fresh-{uuid.uuid4().hex[:8]}"
+        await sup.model_path.open("bench", chat)
+        t = time.perf_counter()
+        s = await sup.manager.resolve("bench", chat)
+        mgr.append((time.perf_counter() - t) * 1000)
+        client.api.remove_container(s.container_id, force=True)
+        t = time.perf_counter()
+        c = client.containers.create(image, command=["sleep", "infinity"], init=True, network_mode="none",
+                                     user="agent")
+        c.start()
+        raw.append((time.perf_counter() - t) * 1000)
+        c.remove(force=True)
+    return mgr, raw
+
+
+async def main(args: argparse.Namespace) -> None:
     from telemetry.logs import configure_logging
 
     configure_logging(json=False, level="WARNING")
     image = ensure_image()
+    stamps = Stamps()
+    traces: dict[str, Any] = {}
+    hooks = TestHooks(wrap_transport=stamps.wrap)
+    if TRACING:
+        hooks = TestHooks(wrap_transport=stamps.wrap, turn_trace=lambda tr: traces.__setitem__(tr.job_id, tr))
+    results: dict[str, dict[str, Any]] = {}
     client = docker.from_env()
     with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
         settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
-        async with running_daemon(settings) as d:
+        async with running_daemon(settings, hooks=hooks) as d:
             sup = d.daemon.supervisor
-            user, chat = "bench", f"chat-{uuid.uuid4().hex[:6]}"
-
-            def job(msg: str, c: str = chat, m: str = "m1") -> dict:
-                return {"job_id": uuid.uuid4().hex, "user_id": user, "chat_id": c, "member_id": m,
-                        "runtime": "codex", "message": msg}
-
-            receipt, _, _ = await d.run(job("warm up"))
-            container = receipt["sandbox"]["container_id"]
-            # ---- 1. LIVE
-            live_daemon = []
-            for i in range(n):
-                t = time.perf_counter()
-                r, _, _ = await d.run(job(f"live {i}"))
-                live_daemon.append((time.perf_counter() - t) * 1000)
-                assert r["context_status"] == "LIVE", r
-            sb = await sup.manager.resolve(user, chat)
-            dirs = sup.manager.member_dirs("bare")
-            # the bare CLI goes through the sandbox's own model socket too (sealed: nothing else answers)
-            launch = CodexDriver().plan(member_paths(dirs), sup.model_path.gateway(user, chat, "bare", "bench"), None)
-            await sup.manager.prepare_files(sb, [FileEntry(f.path, f.content.encode(), f.mode)
-                                                 for f in launch.spec.files], [], [dirs.home, dirs.run_dir])
-            env = dict(launch.spec.env)
-            bare = BareCodex(container, launch.spec.argv, env)
-            bare.call("initialize", {"clientInfo": {"name": "bench", "title": "bench", "version": "0"}})
-            bare.notify("initialized")
-            thread = bare.call("thread/start", {"cwd": "/home/agent/workspace", "approvalPolicy": "never",
-                                                "sandbox": "danger-full-access"})["result"]["thread"]["id"]
-            bare.turn(thread, "bare warm up")
-            live_bare = []
-            for i in range(n):
-                t = time.perf_counter()
-                bare.turn(thread, f"bare live {i}")
-                live_bare.append((time.perf_counter() - t) * 1000)
-            bare.close()
-            # ---- 2. RESTORED after a sandbox stop
-            restored_daemon, restored_bare = [], []
-            for i in range(n):
-                await d.client.post(f"/v1/users/{user}/chats/{chat}/stop")
-                t = time.perf_counter()
-                r, _, _ = await d.run(job(f"restored {i}"))
-                restored_daemon.append((time.perf_counter() - t) * 1000)
-                assert r["context_status"] == "RESTORED", r
-                await d.client.post(f"/v1/users/{user}/chats/{chat}/stop")
-                c = client.containers.get(container)
-                t = time.perf_counter()
-                c.start()
-                bare = BareCodex(container, launch.spec.argv, env)
-                bare.call("initialize", {"clientInfo": {"name": "bench", "title": "bench", "version": "0"}})
-                bare.notify("initialized")
-                bare.call("thread/resume", {"threadId": thread, "excludeTurns": True})
-                bare.turn(thread, f"bare restored {i}")
-                restored_bare.append((time.perf_counter() - t) * 1000)
-                bare.close()
-            # ---- 3. sandbox create+start
-            create_mgr, create_raw = [], []
-            for i in range(n):
-                t = time.perf_counter()
-                s = await sup.manager.resolve(user, f"fresh-{uuid.uuid4().hex[:8]}")
-                create_mgr.append((time.perf_counter() - t) * 1000)
-                client.api.remove_container(s.container_id, force=True)
-                t = time.perf_counter()
-                c = client.containers.create(image, command=["sleep", "infinity"], init=True, network_mode="none",
-                                             user="agent")
-                c.start()
-                create_raw.append((time.perf_counter() - t) * 1000)
-                c.remove(force=True)
-            # ---- 4. 16 concurrent chats
-            lat: list[float] = []
-            failures: list[str] = []
-
-            async def one(i: int) -> None:
-                t = time.perf_counter()
-                r, _, _ = await d.run(job(f"concurrent {i}", c=f"conc-{i}-{uuid.uuid4().hex[:4]}"))
-                lat.append((time.perf_counter() - t) * 1000)
-                if not r or r["outcome"] != "succeeded":
-                    failures.append(str(r and r.get("reason")))
-
-            t = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for i in range(16):
-                    tg.start_soon(one, i)
-            wall = time.perf_counter() - t
-            for rec in sup.store.raw_rows("sandboxes"):
-                try:
-                    client.api.remove_container(rec["container_id"], force=True)
-                except docker.errors.NotFound:
-                    pass
-    print(f"LIVE turn, daemon          {fmt(live_daemon)}")
-    print(f"LIVE turn, bare exec       {fmt(live_bare)}")
-    print(f"  ratio daemon / bare      {med(live_daemon) / med(live_bare):.2f}")
-    print(f"RESTORED, daemon           {fmt(restored_daemon)}")
-    print(f"RESTORED, start+bare       {fmt(restored_bare)}")
-    print(f"  ratio daemon / bare      {med(restored_daemon) / med(restored_bare):.2f}")
-    print(f"create+start, manager      {fmt(create_mgr)}")
-    print(f"create+start, raw SDK      {fmt(create_raw)}")
-    print(f"  ratio manager / raw      {med(create_mgr) / med(create_raw):.2f}")
-    print(f"16 concurrent NEW chats    wall {wall:.1f} s, {16 / wall:.2f} turns/s, "
-          f"p50 {med(lat):.0f} ms, max {max(lat):.0f} ms, failures {len(failures)} {failures}")
+            try:
+                for runtime in args.runtimes.split(","):
+                    results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
+                                                           traces)
+                    print(f"{runtime} done (load {load()})", flush=True)
+                create_mgr, create_raw = await bench_create(sup, image, max(3, args.n // 4))
+                create_load = load()
+            finally:
+                for rec in sup.store.raw_rows("sandboxes"):
+                    try:
+                        client.api.remove_container(rec["container_id"], force=True)
+                    except docker.errors.NotFound:
+                        pass
+    print(f"\nsupervisor overhead, {args.n} LIVE turns per CLI, alternating daemon/bare; "
+          f"throughput {args.chats} chats x {args.rounds} LIVE turns")
+    head = (f"{'runtime':9} {'LIVE d p50':>10} {'bare p50':>9} {'added p50':>9} {'added p99':>9} "
+            f"{'RESTORED d':>10} {'bare':>7} {'ratio':>6} {'1st ev p50':>10} {'tp d/s':>7} {'tp bare':>7} "
+            f"{'tp ratio':>8} {'fail':>4}  load (live|restored|tp)")
+    print(head)
+    for runtime, r in results.items():
+        added = [a - b for a, b in zip(r["live_d"], r["live_b"], strict=True)]
+        first = f"{statistics.median(r['first']):8.2f}ms" if r["first"] else f"{'-':>10}"
+        print(f"{runtime:9} {statistics.median(r['live_d']):10.1f} {statistics.median(r['live_b']):9.1f} "
+              f"{statistics.median(r['live_d']) - statistics.median(r['live_b']):9.1f} {pct(added, 99):9.1f} "
+              f"{statistics.median(r['rest_d']):10.0f} {statistics.median(r['rest_b']):7.0f} "
+              f"{statistics.median(r['rest_d']) / statistics.median(r['rest_b']):6.3f} {first} "
+              f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b']:8.3f} {len(r['failures']):4}  "
+              f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
+        if r["failures"]:
+            print(f"  failures: {r['failures']}")
+    print(f"create+start: manager {statistics.median(create_mgr):.1f} ms, raw SDK {statistics.median(create_raw):.1f}"
+          f" ms, ratio {statistics.median(create_mgr) / statistics.median(create_raw):.3f} (load {create_load})")
+    if any(r["phases"] for r in results.values()):
+        print("\nLIVE turn per-phase breakdown (median ms since the previous mark)")
+        phases: list[str] = []
+        for r in results.values():
+            for row in r["phases"]:
+                for name, _ in row:
+                    if name not in phases:
+                        phases.append(name)
+        print(f"{'phase':22}" + "".join(f"{rt:>10}" for rt in results))
+        for name in phases:
+            cells = []
+            for r in results.values():
+                vals = [ms for row in r["phases"] for k, ms in row if k == name]
+                cells.append(f"{statistics.median(vals):10.2f}" if vals else f"{'-':>10}")
+            print(f"{name:22}" + "".join(cells))
 
 
 if __name__ == "__main__":
-    anyio.run(main, int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", nargs="?", type=int, default=20)
+    ap.add_argument("--runtimes", default=",".join(RUNTIMES))
+    ap.add_argument("--chats", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    anyio.run(main, ap.parse_args())

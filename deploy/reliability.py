@@ -1,7 +1,7 @@
 """Deployment reliability check (SPEC section 9.4): is the intended revision serving jobs?
 
     python -m deploy.reliability HOST_URL --expect-sha SHA [--max-heartbeat-age S]
-        [--max-probe-age S] [--allow-dirty] [--token-file PATH] [--json]
+        [--max-probe-age S] [--allow-dirty] [--token-file PATH] [--json] [--smoke RUNTIMES]
 
 The service token is read from ``--token-file`` or the file named by
 ``CLOUD_AGENT_SERVICE_TOKEN_FILE`` (never from an argument). A working model call does not
@@ -12,6 +12,10 @@ prove which revision serves; this reads the host's attestation document and chec
   helper_pin     the image in use carries exactly the pinned http-agent-live-bridge version
   reverse_probe  the daemon's last reverse probe of its sandbox path passed and is fresh
   heartbeat      the daemon's last beat is younger than --max-heartbeat-age
+
+With ``--smoke claude,codex`` (opt-in: real model calls on the host's real gateway), once
+those checks pass, it also runs a synthetic chat per runtime on the host — new chat, live
+follow-up, idle stop, restore — and deletes it afterwards (``deploy.smoke``); one row per step.
 
 It prints one table row per check; exit 0 only when every check passes, 1 when one fails
 (the summary names each failed check), 2 on a usage or configuration error.
@@ -129,13 +133,43 @@ def fetch(url: str, token: str, timeout_s: float = 30.0) -> tuple[Check, dict[st
     return _check("api", True, f"{endpoint} answered (api version {doc.get('api_version')})"), doc
 
 
-def render(checks: list[Check]) -> str:
+def render(checks: list[Check], notes: tuple[str, ...] = ()) -> str:
     width = max(len("CHECK"), *(len(c.name) for c in checks))
     lines = [f"{'CHECK':<{width}}  RESULT  DETAIL"]
     lines += [f"{c.name:<{width}}  {c.result:<6}  {c.detail}" for c in checks]
+    lines += list(notes)
     failed = [c.name for c in checks if not c.passed]
     lines.append("all checks passed" if not failed else "FAILED: " + ", ".join(failed))
     return "\n".join(lines)
+
+
+def parse_runtimes(value: str) -> list[str]:
+    known = list(load_pins().cli)  # the pinned CLIs are the runtimes
+    runtimes = [r.strip() for r in value.split(",") if r.strip()]
+    bad = [r for r in runtimes if r not in known]
+    if not runtimes or bad or len(set(runtimes)) != len(runtimes):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of distinct runtimes of {', '.join(known)} "
+                                          f"(got {value!r})")
+    return runtimes
+
+
+def smoke_checks(url: str, token: str, runtimes: list[str]) -> tuple[list[Check], str, dict[str, Any]]:
+    """The smoke chat's rows (step timing in the detail), its cost line, and its JSON."""
+    import anyio
+
+    from deploy.smoke import run_smoke
+
+    result = anyio.run(run_smoke, url, token, runtimes)
+    checks = [Check(r.name, r.result, r.detail if r.seconds is None else f"{r.detail} ({r.seconds:.1f} s)")
+              for r in result.rows]
+    if result.interrupted:
+        checks.append(Check("smoke", "fail", "interrupted: the remaining steps did not run (chats deleted)"))
+    cost = (f"smoke cost: {result.requests} model requests ({result.side_requests} side requests) "
+            f"for {len(runtimes)} runtime(s)")
+    return checks, cost, {"requests": result.requests, "side_requests": result.side_requests,
+                          "interrupted": result.interrupted,
+                          "steps": [{"name": r.name, "result": r.result, "detail": r.detail, "seconds": r.seconds}
+                                    for r in result.rows]}
 
 
 def read_token(path: str | None) -> str:
@@ -162,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-dirty", action="store_true", help="accept a host whose tree had local changes")
     p.add_argument("--token-file", help="default: $CLOUD_AGENT_SERVICE_TOKEN_FILE")
     p.add_argument("--json", action="store_true", help="one JSON document instead of the table")
+    p.add_argument("--smoke", type=parse_runtimes, metavar="RUNTIMES", default=None,
+                   help="also run a synthetic chat per runtime (e.g. claude,codex): real model calls, opt-in")
     args = p.parse_args(argv)
     try:
         token = read_token(args.token_file)
@@ -175,12 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         checks += run_checks(doc, expect_sha=args.expect_sha, max_heartbeat_age_s=args.max_heartbeat_age,
                              max_probe_age_s=args.max_probe_age, allow_dirty=args.allow_dirty)
+    notes: tuple[str, ...] = ()
+    extra: dict[str, Any] = {}
+    if args.smoke:
+        if all(c.passed for c in checks):
+            rows, cost, extra["smoke"] = smoke_checks(args.url, token, args.smoke)
+            checks += rows
+            notes = (cost,)
+        else:  # never spend model calls on a host that is not the intended revision
+            checks.append(Check("smoke", "skip", "not run: the attestation checks failed"))
     ok = all(c.passed for c in checks)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks],
-                          "failed": [c.name for c in checks if not c.passed]}, indent=2))
+                          "failed": [c.name for c in checks if not c.passed], **extra}, indent=2))
     else:
-        print(render(checks))
+        print(render(checks, notes))
     return EXIT_OK if ok else EXIT_FAILED
 
 

@@ -123,3 +123,14 @@ def test_an_unreachable_host_fails_api_and_skips_the_rest(tmp_path, capsys) -> N
     assert lines[2:] == [f"{name:<13}  skip    not checked: no attestation document"
                          for name in ("source_sha", "helper_pin", "reverse_probe", "heartbeat")] + \
         ["FAILED: api, source_sha, helper_pin, reverse_probe, heartbeat"]
+
+
+def test_smoke_runtimes_are_checked_before_anything_runs(capsys) -> None:
+    from deploy.reliability import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["http://127.0.0.1:1", "--expect-sha", "0" * 40, "--smoke", "codex,nope"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m deploy.reliability: error: argument --smoke: a comma-separated list of distinct runtimes of "
+        "claude, codex, pi, opencode, kilo (got 'codex,nope')")

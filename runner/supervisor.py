@@ -197,6 +197,7 @@ class Supervisor:
             tg.start_soon(self.model_path.purge_loop)
             tg.start_soon(self.memory.loop)
             tg.start_soon(self._sweep_loop)
+            tg.start_soon(self.manager.integrity.follow)  # keeps resident turns' integrity facts fresh
             try:
                 yield self
             finally:

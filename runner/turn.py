@@ -137,13 +137,14 @@ class TurnRunner:
         """The member's own base URL through its sandbox's model socket, and a placeholder key."""
         return self.model_path.gateway(user_id, chat_id, member_id, self.models[runtime])
 
-    async def resolve_sandbox(self, user_id: str, chat_id: str) -> Sandbox:
+    async def resolve_sandbox(self, user_id: str, chat_id: str, *, resident: bool = False) -> Sandbox:
         """The chat's sandbox with its model socket listening (opened first: the container's
-        command connects to it as it starts). A lost sandbox's socket is closed again."""
+        command connects to it as it starts). A lost sandbox's socket is closed again.
+        ``resident``: a live resident serves the turn (its checks may come from fresh facts)."""
         await self.model_path.open(user_id, chat_id)
         mark("model_socket")
         try:
-            return await self.manager.resolve(user_id, chat_id)
+            return await self.manager.resolve(user_id, chat_id, resident=resident)
         except (SandboxLost, ImageRefused):
             await self.model_path.close(user_id, chat_id)
             raise
@@ -243,8 +244,10 @@ class TurnRunner:
         if member is not None and member.settled_turns > 0 and saved is None and member.pending_fork is None:
             raise Refusal("member_locator_missing")
         t = time.monotonic()
+        resident = self.pool.get(key)
         try:
-            ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id)
+            ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id,
+                                                     resident=resident is not None and resident.alive)
         except ModelGateNotReady as exc:
             ctx.timings.sandbox = ctx.ms_since(t)
             raise _NotStarted("model_gate_not_ready", str(exc)) from None
@@ -264,7 +267,7 @@ class TurnRunner:
             member = await self.store.ensure_member(*key, job.runtime)
             ctx.member = member
         t = time.monotonic()
-        resident = self.pool.get(key)
+        resident = self.pool.get(key)  # again: resolving may have retired it
         if (resident is not None and resident.alive and saved is not None and resident.locator is not None
                 and resident.locator.id == saved.id and resident.container_id == ctx.sandbox.container_id):
             ctx.status = ContextStatus.LIVE

@@ -9,11 +9,15 @@ threads so the daemon's event loop never waits on the engine.
 from __future__ import annotations
 
 import io
+import math
 import tarfile
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -108,6 +112,7 @@ class Engine(Protocol):
     async def exec_exit_code(self, exec_id: str) -> int | None: ...
     async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool: ...
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None: ...
+    def follow_events(self, filters: dict[str, list[str]]) -> Any: ...
 
 
 def _to_info(c: Any) -> ContainerInfo:
@@ -298,6 +303,36 @@ class DockerEngine:
         ok = await self._call(self.api.put_archive, container_id, "/", data)
         if not ok:
             raise EngineError(f"put_archive into {container_id[:12]} failed")
+
+    @asynccontextmanager
+    async def follow_events(self, filters: dict[str, list[str]]) -> AsyncIterator[Any]:
+        """The engine's event stream, connected when this is entered: an async iterator of event
+        dicts that ends when the engine closes the stream. One worker thread reads the SDK's
+        blocking stream; leaving the block closes it (which ends that thread's read)."""
+        stream = await self._call(self.api.events, decode=True, filters=filters)
+        send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+
+        def pump() -> None:
+            try:
+                for event in stream:
+                    anyio.from_thread.run_sync(send.send_nowait, event)
+            except Exception:  # noqa: BLE001 - closed under us, the engine went away: the end
+                pass
+            finally:
+                try:
+                    anyio.from_thread.run_sync(send.close)
+                except Exception:  # noqa: BLE001 - the loop is gone already
+                    pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(anyio.to_thread.run_sync, pump, abandon_on_cancel=True,
+                                  limiter=anyio.CapacityLimiter(1)))
+            try:
+                async with receive:
+                    yield receive
+            finally:
+                stream.close()
+                tg.cancel_scope.cancel()
 
     def close(self) -> None:
         self.client.close()

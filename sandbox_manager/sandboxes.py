@@ -3,7 +3,9 @@
 A chat's container is created once from the pinned image and kept (stopped when idle,
 its writable layer retained). Before every turn :meth:`SandboxManager.resolve` proves the
 container is the one recorded: same id, same identity labels, the same engine data root,
-an image with supported pins. Anything else is :class:`SandboxLost` with a named reason:
+an image with supported pins. A turn served by a live resident may take that proof from
+facts the engine's event stream keeps fresh (sandbox_manager/integrity.py): dropped by any
+event that could change them, and by any gap in the stream. Anything else is :class:`SandboxLost` with a named reason:
 losing the container or the data root loses the native state, and that is reported, never
 hidden by quietly creating a fresh container.
 """
@@ -25,6 +27,7 @@ from images.checks import check_image_labels
 from sandbox_manager.disk_bound import DISK_QUOTA, DiskBound, SandboxRefused
 from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, Mount, NotFound
 from sandbox_manager.exec_stream import ExecStream
+from sandbox_manager.integrity import Facts, IntegrityFacts
 from state.records import SandboxRecord, SandboxState
 from state.store import Store, now
 from telemetry.turn_trace import mark
@@ -160,6 +163,8 @@ class SandboxManager:
         self.config = config
         self._watchers: list[SandboxWatcher] = []
         self.disk = DiskBound(engine, store, config.disk_bytes)
+        # kept fresh by the engine's events while the supervisor runs IntegrityFacts.follow
+        self.integrity = IntegrityFacts(engine)
 
     def watch(self, watcher: SandboxWatcher) -> None:
         """Call ``watcher(user_id, chat_id, state)`` whenever this manager runs, stops or loses a sandbox."""
@@ -178,7 +183,8 @@ class SandboxManager:
         return ident
 
     async def current_data_root_id(self) -> str | None:
-        """Re-read from the engine (never cached): the data root may have been swapped."""
+        """Re-read from the engine: the data root may have been swapped. (Only a resident's
+        facts carry it between turns, and any event of the marker volume or a stream gap drops them.)"""
         return await self.engine.data_root_identity(create=False)
 
     def identity_labels(self, user_id: str, chat_id: str, data_root_id: str) -> dict[str, str]:
@@ -212,8 +218,13 @@ class SandboxManager:
 
     # -- resolve ------------------------------------------------------------------------------
 
-    async def resolve(self, user_id: str, chat_id: str, *, create: bool = True) -> Sandbox:
-        """The chat's retained sandbox, running and integrity-checked, or SandboxLost."""
+    async def resolve(self, user_id: str, chat_id: str, *, create: bool = True, resident: bool = False) -> Sandbox:
+        """The chat's retained sandbox, running and integrity-checked, or SandboxLost.
+
+        ``resident``: a live resident process of this chat serves the turn. Only then may the
+        check be answered from facts the engine's event stream kept fresh (a turn that
+        launches a process always checks against the engine).
+        """
         rec = await self.store.get_sandbox(user_id, chat_id)
         mark("sandbox_record")
         if rec is None:
@@ -222,6 +233,15 @@ class SandboxManager:
             return await self._create(user_id, chat_id)
         if rec.state == SandboxState.LOST:
             raise SandboxLost(LostReason.PREVIOUSLY_LOST, rec.lost_reason or "")
+        if (resident and rec.host_id == self.config.host_id and rec.state == SandboxState.RUNNING
+                and rec.stop_reason != DISK_QUOTA
+                and (facts := self.integrity.get(rec.container_id, rec.data_root_id)) is not None):
+            mark("integrity_cached")
+            await self.store.touch_sandbox(user_id, chat_id)
+            mark("sandbox_touched")
+            self._changed(user_id, chat_id, SandboxState.RUNNING)
+            return Sandbox(record=rec, container=facts.container, image=facts.image)
+        token = self.integrity.token(rec.container_id)
         try:
             info, image = await self._check(rec)
         except SandboxLost as lost:
@@ -239,6 +259,7 @@ class SandboxManager:
             started = True
             log.info("sandbox.started", container=rec.container_name)
             await self._gate_ready(info, t)
+        self.integrity.put(token, Facts(info, image, rec.data_root_id))
         rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
         await self.store.touch_sandbox(user_id, chat_id)
         mark("sandbox_touched")

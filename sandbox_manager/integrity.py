@@ -1,0 +1,148 @@
+"""Integrity facts of running sandboxes, kept fresh by the engine's event stream (issue 16).
+
+Before a turn the sandbox manager proves the chat's container is the recorded one (data
+root identity, container inspect, image inspect: three engine calls). For a LIVE turn the
+answer almost never changes between turns, so a container's verified facts are kept here
+and dropped the moment the engine says anything that could change them:
+
+* a container event other than exec/attach/archive traffic (die, kill, stop, destroy,
+  pause, rename, update, oom, restart, ...) drops that container's facts;
+* an image ``delete``/``untag``, any event of the data-root marker volume, or a daemon
+  event (reload) drops every fact;
+* the stream itself ending, failing or not yet connected (an engine restart, a reconnect)
+  drops every fact, and no fact is kept until the stream is connected again.
+
+Facts are only stored with a token taken *before* the check that produced them, so a fact
+whose check raced an invalidating event is never kept. Without a live stream every turn
+inspects, exactly as before: the cache can only make a check cheaper, never weaker.
+
+The follower (:meth:`IntegrityFacts.follow`) runs in the supervisor's task group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+
+from sandbox_manager.engine import DATA_ROOT_VOLUME, ContainerInfo, Engine, ImageInfo
+
+log = structlog.get_logger("integrity")
+
+EVENT_FILTERS = {"type": ["container", "image", "volume", "daemon"]}
+# container actions that change nothing a check looks at (our own turns make them all the time)
+HARMLESS = frozenset({"exec_create", "exec_start", "exec_die", "exec_detach", "attach", "detach", "resize", "top",
+                      "archive-path", "extract-to-dir", "export", "copy", "commit"})
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a full check established for one running container."""
+
+    container: ContainerInfo
+    image: ImageInfo
+    data_root_id: str
+
+
+@dataclass(frozen=True)
+class Token:
+    connection: int
+    generation: int
+    container_generation: int
+
+
+class IntegrityFacts:
+    def __init__(self, engine: Engine, *, reconnect_s: float = 0.5, max_reconnect_s: float = 5.0) -> None:
+        self.engine = engine
+        self.reconnect_s = reconnect_s
+        self.max_reconnect_s = max_reconnect_s
+        self._facts: dict[str, Facts] = {}
+        self._connection = 0  # 0 while no stream is connected
+        self._generation = 0  # bumped by every invalidation of everything
+        self._container_gen: dict[str, int] = {}
+        self.events_seen = 0
+
+    @property
+    def live(self) -> bool:
+        return self._connection != 0
+
+    # -- the turn side -------------------------------------------------------------------------
+
+    def token(self, container_id: str) -> Token | None:
+        """Taken before a check; None while facts cannot be kept (no live stream)."""
+        if not self._connection:
+            return None
+        return Token(self._connection, self._generation, self._container_gen.get(container_id, 0))
+
+    def put(self, token: Token | None, facts: Facts) -> None:
+        cid = facts.container.id
+        if token is None or token != Token(self._connection, self._generation, self._container_gen.get(cid, 0)):
+            return  # something happened since the check began: keep nothing
+        self._facts[cid] = facts
+
+    def get(self, container_id: str, data_root_id: str) -> Facts | None:
+        if not self._connection:
+            return None
+        facts = self._facts.get(container_id)
+        if facts is None or facts.data_root_id != data_root_id or not facts.container.running:
+            return None
+        return facts
+
+    def forget(self, container_id: str) -> None:
+        self._container_gen[container_id] = self._container_gen.get(container_id, 0) + 1
+        self._facts.pop(container_id, None)
+
+    def forget_all(self) -> None:
+        self._generation += 1
+        self._facts.clear()
+        self._container_gen.clear()
+
+    # -- the engine side -------------------------------------------------------------------------
+
+    def apply(self, event: dict[str, Any]) -> None:
+        self.events_seen += 1
+        kind = event.get("Type")
+        action = str(event.get("Action") or event.get("status") or "").split(":", 1)[0]
+        actor = (event.get("Actor") or {}).get("ID") or event.get("id") or ""
+        if kind == "container":
+            if action not in HARMLESS:
+                self.forget(actor)
+        elif kind == "image":
+            if action in ("delete", "untag"):
+                self.forget_all()
+        elif kind == "volume":
+            if actor == DATA_ROOT_VOLUME:
+                self.forget_all()
+        else:  # daemon (reload) or anything unknown
+            self.forget_all()
+
+    def _disconnected(self) -> None:
+        self._connection = 0
+        self.forget_all()
+
+    async def follow(self) -> None:
+        """Follow the engine's events for ever (cancelled with the supervisor's task group)."""
+        follow = getattr(self.engine, "follow_events", None)
+        if follow is None:
+            return  # an engine without an event stream: every turn inspects
+        delay = self.reconnect_s
+        connections = 0
+        while True:
+            try:
+                async with follow(EVENT_FILTERS) as events:
+                    connections += 1
+                    self.forget_all()  # nothing checked before this connection is kept
+                    self._connection = connections
+                    log.info("integrity.following", connection=connections)
+                    delay = self.reconnect_s
+                    async for event in events:
+                        self.apply(event)
+                log.warning("integrity.stream_ended")
+            except Exception as exc:  # noqa: BLE001 - the engine may be down or restarting
+                log.warning("integrity.stream_failed", error=repr(exc))
+            finally:
+                self._disconnected()
+            await anyio.sleep(delay)
+            delay = min(delay * 2, self.max_reconnect_s)

@@ -1,0 +1,65 @@
+"""A resident member's integrity facts come from the engine's event stream (issue 16), and LOST
+does not weaken: a container removed while its member is resident is caught by that member's
+very next turn, which is refused exactly as ``test_lost.test_container_removed`` refuses it
+(SPEC 3 and 15: the container, and with it the native state, is gone) — the message reaches
+no CLI and no model, the locator is untouched.
+
+The turn before the removal must have been answered from the event-fed facts (its trace
+says ``integrity_cached`` and holds no engine inspect): otherwise this test would only
+repeat the uncached case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from runner import turn
+from telemetry.turn_trace import TurnTrace
+from tests.regression.conftest import regression_daemon
+from tests.regression.test_lost import lost, member, refused, settled_chat
+from tests.supervisor_helpers import assert_model_saw, available_runtimes, high_water
+
+pytestmark = [pytest.mark.regression, pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
+
+RUNTIMES = available_runtimes()
+TRACES: dict[str, TurnTrace] = {}
+
+
+@pytest.fixture(scope="module")
+async def daemon(fx, sandbox_image, docker_client, tmp_path_factory):
+    hooks = turn.TestHooks(turn_trace=lambda trace: TRACES.__setitem__(trace.job_id, trace))
+    async with regression_daemon(fx, sandbox_image, docker_client, tmp_path_factory.mktemp("lost-resident"),
+                                 hooks=hooks) as d:
+        yield d
+
+
+def phases(receipt: dict[str, Any]) -> list[str]:
+    return [name for name, _ in TRACES[receipt["job_id"]].marks]
+
+
+async def live_turn(d, fx, chat, message: str) -> dict[str, Any]:
+    reply = chat.expect_turn(message)
+    mark = high_water(fx)
+    receipt, events, _ = await d.run(chat.job(message))
+    assert receipt is not None, events
+    assert (receipt["context_status"], receipt["outcome"], receipt["assistant_text"]) == ("LIVE", "succeeded", reply)
+    assert_model_saw(fx, mark, chat)
+    return receipt
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_container_removed_while_resident(runtime, daemon, fx, docker_client) -> None:
+    chat, first = await settled_chat(daemon, fx, runtime)
+    saved = first["locator_after"]
+    checked = await live_turn(daemon, fx, chat, "a live turn checked against the engine")
+    assert "container_inspect" in phases(checked)  # the first check of a resident stores its facts
+    cached = await live_turn(daemon, fx, chat, "a live turn answered from the engine's events")
+    assert "integrity_cached" in phases(cached)
+    assert not {"data_root", "container_inspect", "image_inspect"} & set(phases(cached))
+    docker_client.api.remove_container(first["sandbox"]["container_id"], force=True)
+    assert await refused(daemon, fx, chat) == lost("container_missing", saved)
+    assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
+    m = await member(daemon, chat)
+    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 3, "container_missing")

@@ -1,0 +1,147 @@
+"""Event-fed integrity facts (issue 16): kept only while the engine's event stream is live,
+dropped by every event that could change them, never kept from a check that raced one."""
+
+from __future__ import annotations
+
+import math
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from sandbox_manager.engine import DATA_ROOT_VOLUME, ContainerInfo, ImageInfo
+from sandbox_manager.integrity import Facts, IntegrityFacts
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeEvents:
+    """An engine whose event stream the test feeds (and ends) by hand."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.send: Any = None
+        self.connected = anyio.Event()
+
+    @asynccontextmanager
+    async def follow_events(self, filters: dict[str, list[str]]):
+        assert filters == {"type": ["container", "image", "volume", "daemon"]}
+        send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+        self.send = send
+        self.connections += 1
+        self.connected.set()
+        async with receive:
+            yield receive
+
+    async def emit(self, kind: str, action: str, actor: str) -> None:
+        await self.send.send({"Type": kind, "Action": action, "Actor": {"ID": actor}})
+        await anyio.wait_all_tasks_blocked()
+
+    async def end(self) -> None:
+        self.connected = anyio.Event()
+        await self.send.aclose()
+        await anyio.wait_all_tasks_blocked()
+
+
+def facts(cid: str = "c1", image: str = "sha256:img", status: str = "running") -> Facts:
+    return Facts(ContainerInfo(id=cid, name=f"ca-{cid}", status=status, image_id=image, labels={}),
+                 ImageInfo(id=image, labels={}, tags=()), "root-1")
+
+
+async def checked(cache: IntegrityFacts, cid: str = "c1", **kw: Any) -> None:
+    cache.put(cache.token(cid), facts(cid, **kw))
+
+
+@pytest.fixture
+async def live():
+    engine = FakeEvents()
+    cache = IntegrityFacts(engine, reconnect_s=0.01)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cache.follow)
+        await engine.connected.wait()
+        await anyio.wait_all_tasks_blocked()
+        yield cache, engine
+        tg.cancel_scope.cancel()
+
+
+async def test_nothing_is_kept_without_a_stream() -> None:
+    cache = IntegrityFacts(object())  # type: ignore[arg-type]
+    assert cache.token("c1") is None
+    await checked(cache)
+    assert cache.get("c1", "root-1") is None
+    await cache.follow()  # an engine without events: returns at once, nothing ever kept
+    assert not cache.live
+
+
+async def test_kept_while_live_and_only_for_the_recorded_data_root(live) -> None:
+    cache, _ = live
+    await checked(cache)
+    assert cache.get("c1", "root-1") == facts()
+    assert cache.get("c1", "another-root") is None
+    assert cache.get("c2", "root-1") is None
+    await checked(cache, "c3", status="exited")
+    assert cache.get("c3", "root-1") is None  # a stopped container is never answered from facts
+
+
+async def test_own_exec_traffic_keeps_facts_and_every_other_container_event_drops_them(live) -> None:
+    cache, engine = live
+    await checked(cache)
+    await checked(cache, "c2")
+    for action in ("exec_create: sh -c true", "exec_start: sh -c true", "exec_die", "attach", "extract-to-dir"):
+        await engine.emit("container", action, "c1")
+    assert cache.get("c1", "root-1") is not None
+    for action in ("die", "destroy", "stop", "kill", "pause", "rename", "update", "oom"):
+        await checked(cache)
+        await engine.emit("container", action, "c1")
+        assert cache.get("c1", "root-1") is None, action
+    assert cache.get("c2", "root-1") is not None  # another container's facts stay
+
+
+@pytest.mark.parametrize("event", [("image", "delete", "sha256:img"), ("image", "untag", "sha256:other"),
+                                   ("volume", "destroy", DATA_ROOT_VOLUME), ("volume", "create", DATA_ROOT_VOLUME),
+                                   ("daemon", "reload", "engine")])
+async def test_image_data_root_and_daemon_events_drop_everything(live, event) -> None:
+    cache, engine = live
+    await checked(cache)
+    await checked(cache, "c2", image="sha256:two")
+    await engine.emit(*event)
+    assert (cache.get("c1", "root-1"), cache.get("c2", "root-1")) == (None, None)
+
+
+async def test_other_volumes_and_image_pulls_change_nothing(live) -> None:
+    cache, engine = live
+    await checked(cache)
+    await engine.emit("volume", "destroy", "some-other-volume")
+    await engine.emit("image", "tag", "sha256:img")
+    assert cache.get("c1", "root-1") is not None
+
+
+async def test_a_check_that_raced_an_event_is_not_kept(live) -> None:
+    cache, engine = live
+    token = cache.token("c1")
+    await engine.emit("container", "die", "c1")  # while the check was running
+    cache.put(token, facts())
+    assert cache.get("c1", "root-1") is None
+    token = cache.token("c1")
+    await engine.emit("image", "delete", "sha256:whatever")
+    cache.put(token, facts())
+    assert cache.get("c1", "root-1") is None
+
+
+async def test_a_stream_gap_drops_everything_and_reconnects(live) -> None:
+    cache, engine = live
+    await checked(cache)
+    stale = cache.token("c1")
+    await engine.end()  # the engine restarted (or the stream failed)
+    assert not cache.live and cache.get("c1", "root-1") is None and cache.token("c1") is None
+    cache.put(stale, facts())
+    assert cache.get("c1", "root-1") is None
+    with anyio.fail_after(5):
+        await engine.connected.wait()
+    await anyio.wait_all_tasks_blocked()
+    assert cache.live and engine.connections == 2
+    cache.put(stale, facts())  # a token from the old connection is worthless
+    assert cache.get("c1", "root-1") is None
+    await checked(cache)
+    assert cache.get("c1", "root-1") == facts()

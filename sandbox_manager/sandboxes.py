@@ -237,8 +237,6 @@ class SandboxManager:
                 and rec.stop_reason != DISK_QUOTA
                 and (facts := self.integrity.get(rec.container_id, rec.data_root_id)) is not None):
             mark("integrity_cached")
-            await self.store.touch_sandbox(user_id, chat_id)
-            mark("sandbox_touched")
             self._changed(user_id, chat_id, SandboxState.RUNNING)
             return Sandbox(record=rec, container=facts.container, image=facts.image)
         token = self.integrity.token(rec.container_id)
@@ -260,9 +258,11 @@ class SandboxManager:
             log.info("sandbox.started", container=rec.container_name)
             await self._gate_ready(info, t)
         self.integrity.put(token, Facts(info, image, rec.data_root_id))
+        if started or rec.state != SandboxState.RUNNING:
+            # the record says running again; a running one's last use is written with the turn's commit
+            await self.store.touch_sandbox(user_id, chat_id)
+            mark("sandbox_touched")
         rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
-        await self.store.touch_sandbox(user_id, chat_id)
-        mark("sandbox_touched")
         self._changed(user_id, chat_id, SandboxState.RUNNING)
         return Sandbox(record=rec, container=info, image=image, started=started)
 

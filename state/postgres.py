@@ -348,6 +348,9 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion):
                     "UPDATE members SET last_status=%s, last_outcome=%s, updated_at=%s WHERE user_id=%s"
                     " AND chat_id=%s AND member_id=%s",
                     (member.last_status, member.last_outcome, ts, job.user_id, job.chat_id, job.member_id))
+            # the sandbox's last use, in the same transaction (no write of its own per turn)
+            await conn.execute("UPDATE sandboxes SET last_used_at=%s WHERE user_id=%s AND chat_id=%s AND state=%s",
+                               (ts, job.user_id, job.chat_id, SandboxState.RUNNING.value))
 
         deadline = time.monotonic() + self.commit_retry_s
         while True:

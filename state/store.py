@@ -326,6 +326,9 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion):
                     " AND member_id=?",
                     (member.last_status, member.last_outcome, ts, job.user_id, job.chat_id, job.member_id),
                 )
+            # the sandbox's last use, in the same transaction (no write of its own per turn)
+            db.execute("UPDATE sandboxes SET last_used_at=? WHERE user_id=? AND chat_id=? AND state=?",
+                       (ts, job.user_id, job.chat_id, SandboxState.RUNNING.value))
 
         await self._run(lambda db: self._tx(db, q))
 

@@ -14,7 +14,7 @@ import pytest
 from state.contract import Fenced, HostLease, MemberOutcome, StoreContract, VerifiedTurn
 from state.migrations import MIGRATIONS
 from state.postgres import PostgresStore
-from state.records import JobState, SavedLocator
+from state.records import JobState, SandboxRecord, SandboxState, SavedLocator
 from state.store import Store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -154,6 +154,27 @@ async def test_locator_moves_only_with_a_verified_turn(store: StoreContract) -> 
                                                          VerifiedTurn(SavedLocator(id="A", path="/p"))))
     m = await store.get_member("u", "c", "m")
     assert (m.locator, m.settled_turns) == (SavedLocator(id="A", path="/p"), 2)
+
+
+async def test_a_turns_commit_records_its_running_sandboxs_last_use(store: StoreContract) -> None:
+    # issue 16: no store write of its own per turn for the sandbox's last use
+    from datetime import UTC, datetime, timedelta
+
+    old = datetime(2026, 1, 1, tzinfo=UTC)
+    for chat, state in (("c", SandboxState.RUNNING), ("stopped", SandboxState.STOPPED)):
+        await store.put_sandbox(SandboxRecord(user_id="u", chat_id=chat, container_id=f"id-{chat}",
+                                              container_name=f"ca-{chat}", image_id="sha256:i", data_root_id="r",
+                                              host_id="h", state=state, created_at=old, last_used_at=old))
+        await store.ensure_member("u", chat, "m", "codex")
+        await store.claim_job(f"j-{chat}", "u", chat, "m", "d", "o")
+        await store.finish_job("u", f"j-{chat}", "{}", MemberOutcome("LIVE", "succeeded", None))
+    running, stopped = await store.get_sandbox("u", "c"), await store.get_sandbox("u", "stopped")
+    assert datetime.now(UTC) - running.last_used_at < timedelta(minutes=5)
+    assert (running.state, stopped.state, stopped.last_used_at) == (SandboxState.RUNNING, SandboxState.STOPPED, old)
+    await store.put_sandbox(running.model_copy(update={"last_used_at": old}))
+    await store.claim_job("j-none", "u", "c", "m", "d", "o")
+    await store.finish_job("u", "j-none", "{}", None)  # a job closed without a member outcome touches nothing
+    assert (await store.get_sandbox("u", "c")).last_used_at == old
 
 
 async def test_failed_commit_leaves_nothing(store: StoreContract) -> None:

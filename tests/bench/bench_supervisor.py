@@ -175,7 +175,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     # ---- RESTORED after a stop
     rest_d, rest_b = [], []
     cid = sb.container_id
-    for i in range(max(3, n // 4)):
+    for i in range(3):
         await bare.close()
         await d.client.post(f"/v1/users/{user}/chats/{chat}/stop")
         ms, r, _, _ = await timed_job(d, job(f"restored {i}"))

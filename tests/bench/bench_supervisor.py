@@ -281,7 +281,9 @@ async def main(args: argparse.Namespace) -> None:
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
                                                            traces)
-                    print(f"{runtime} done (load {load()})", flush=True)
+                    # printed as each CLI finishes: a run cut short still leaves its figures
+                    print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
+                    print_phases({runtime: results[runtime]})
                 create_mgr, create_raw = await bench_create(sup, image, max(3, args.n // 4))
                 create_load = load()
             finally:
@@ -292,38 +294,50 @@ async def main(args: argparse.Namespace) -> None:
                         pass
     print(f"\nsupervisor overhead, {args.n} LIVE turns per CLI, alternating daemon/bare; "
           f"throughput {args.chats} chats x {args.rounds} LIVE turns")
-    head = (f"{'runtime':9} {'LIVE d p50':>10} {'bare p50':>9} {'added p50':>9} {'added p99':>9} "
-            f"{'RESTORED d':>10} {'bare':>7} {'ratio':>6} {'1st ev p50':>10} {'tp d/s':>7} {'tp bare':>7} "
-            f"{'tp ratio':>8} {'fail':>4}  load (live|restored|tp)")
-    print(head)
+    print(HEAD)
     for runtime, r in results.items():
-        added = [a - b for a, b in zip(r["live_d"], r["live_b"], strict=True)]
-        first = f"{statistics.median(r['first']):8.2f}ms" if r["first"] else f"{'-':>10}"
-        print(f"{runtime:9} {statistics.median(r['live_d']):10.1f} {statistics.median(r['live_b']):9.1f} "
-              f"{statistics.median(r['live_d']) - statistics.median(r['live_b']):9.1f} {pct(added, 99):9.1f} "
-              f"{statistics.median(r['rest_d']):10.0f} {statistics.median(r['rest_b']):7.0f} "
-              f"{statistics.median(r['rest_d']) / statistics.median(r['rest_b']):6.3f} {first} "
-              f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b']:8.3f} {len(r['failures']):4}  "
-              f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
-        if r["failures"]:
-            print(f"  failures: {r['failures']}")
+        print(row(runtime, r))
     print(f"create+start: manager {statistics.median(create_mgr):.1f} ms, raw SDK {statistics.median(create_raw):.1f}"
           f" ms, ratio {statistics.median(create_mgr) / statistics.median(create_raw):.3f} (load {create_load})")
-    if any(r["phases"] for r in results.values()):
-        print("\nLIVE turn per-phase breakdown (median ms since the previous mark)")
-        phases: list[str] = []
+    print_phases(results)
+
+
+HEAD = (f"{'runtime':9} {'LIVE d p50':>10} {'bare p50':>9} {'added p50':>9} {'added p99':>9} "
+        f"{'RESTORED d':>10} {'bare':>7} {'ratio':>6} {'1st ev p50':>10} {'tp d/s':>7} {'tp bare':>7} "
+        f"{'tp ratio':>8} {'fail':>4}  load (live|restored|tp)")
+
+
+def row(runtime: str, r: dict[str, Any]) -> str:
+    added = [a - b for a, b in zip(r["live_d"], r["live_b"], strict=True)]
+    first = f"{statistics.median(r['first']):8.2f}ms" if r["first"] else f"{'-':>10}"
+    line = (f"{runtime:9} {statistics.median(r['live_d']):10.1f} {statistics.median(r['live_b']):9.1f} "
+            f"{statistics.median(r['live_d']) - statistics.median(r['live_b']):9.1f} {pct(added, 99):9.1f} "
+            f"{statistics.median(r['rest_d']):10.0f} {statistics.median(r['rest_b']):7.0f} "
+            f"{statistics.median(r['rest_d']) / statistics.median(r['rest_b']):6.3f} {first} "
+            f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b']:8.3f} {len(r['failures']):4}  "
+            f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
+    if r["failures"]:
+        line += f"\n  failures: {r['failures']}"
+    return line
+
+
+def print_phases(results: dict[str, dict[str, Any]]) -> None:
+    if not any(r["phases"] for r in results.values()):
+        return
+    print("\nLIVE turn per-phase breakdown (median ms since the previous mark)")
+    phases: list[str] = []
+    for r in results.values():
+        for trace_row in r["phases"]:
+            for name, _ in trace_row:
+                if name not in phases:
+                    phases.append(name)
+    print(f"{'phase':22}" + "".join(f"{rt:>10}" for rt in results))
+    for name in phases:
+        cells = []
         for r in results.values():
-            for row in r["phases"]:
-                for name, _ in row:
-                    if name not in phases:
-                        phases.append(name)
-        print(f"{'phase':22}" + "".join(f"{rt:>10}" for rt in results))
-        for name in phases:
-            cells = []
-            for r in results.values():
-                vals = [ms for row in r["phases"] for k, ms in row if k == name]
-                cells.append(f"{statistics.median(vals):10.2f}" if vals else f"{'-':>10}")
-            print(f"{name:22}" + "".join(cells))
+            vals = [ms for trace_row in r["phases"] for k, ms in trace_row if k == name]
+            cells.append(f"{statistics.median(vals):10.2f}" if vals else f"{'-':>10}")
+        print(f"{name:22}" + "".join(cells))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import sys
 import uuid
 from typing import Any
 
+import structlog
+
 from state.receipts import Outcome
 from telemetry.logs import configure_logging
 
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         configure_logging(json=True)
         from runner.config import load_settings
-        from runner.serve import StartupRefused, serve
+        from runner.loopback_child import LoopbackStartFailed, loopback_child
+        from runner.serve import StartupRefused, check_token, serve
 
         overrides: dict[str, Any] = {}
         if args.host:
@@ -146,8 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.port:
             overrides["listen_port"] = args.port
         try:
-            serve(load_settings(**overrides))
-        except (StartupRefused, ValueError) as exc:
+            settings = load_settings(**overrides)
+            check_token(settings)  # refuse before starting anything
+            if settings.gateway_url is not None:
+                serve(settings)
+                return 0
+            # SPEC 10: the default gateway is the loopback fixture
+            settings.home.mkdir(parents=True, exist_ok=True)
+            with loopback_child(settings.home / "loopback-requests.jsonl") as url:
+                structlog.get_logger("serve").info("gateway.embedded_fixture", url=url)
+                serve(settings.model_copy(update={"gateway_url": url}))
+        except (StartupRefused, LoopbackStartFailed, ValueError) as exc:
             print(f"cloud-agent serve: {exc}", file=sys.stderr)
             return EXIT_ERROR
         return 0

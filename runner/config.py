@@ -32,7 +32,8 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     home: Path = Field(default=Path("/var/lib/cloud-agent"), description="CLOUD_AGENT_HOME: store, logs, host id")
-    gateway_url: str | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_URL; None = embedded loopback fixture")
+    gateway_url: str | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_URL; None: `cloud-agent serve` "
+                                    "starts the loopback fixture")
     gateway_key_file: Path | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_KEY_FILE: the host's key, "
                                          "read by the model proxy only")
     gateway_key_dir: Path | None = Field(default=None, description="CLOUD_AGENT_GATEWAY_KEY_DIR: one key file per "

@@ -77,7 +77,7 @@ async def run_demo(runtimes: list[str], *, json_output: bool = False) -> int:
             "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(home / "token"),
             "CLOUD_AGENT_LISTEN_PORT": str(port),
         })
-        daemon = build_daemon(settings, fixture=fx)
+        daemon = build_daemon(settings)
         server = uvicorn.Server(uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None,
                                                access_log=False, lifespan="on"))
         async with anyio.create_task_group() as tg:

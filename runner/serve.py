@@ -45,7 +45,6 @@ class Daemon:
     gateway_url: str
     supervisor: Supervisor
     app: Starlette
-    fixture: Any = None
     attestor: Any = None
 
 
@@ -76,7 +75,8 @@ def fleet_parts(settings: Settings, supervisor: Supervisor, token: Any,
     return fleet, gate
 
 
-def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture: Any = None) -> Daemon:
+def check_token(settings: Settings) -> str | None:
+    """The service token, or None in loopback-only development mode; refuses anything else."""
     token = settings.service_token()
     if token is None:
         if not settings.dev_mode:
@@ -85,15 +85,17 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
         if not is_loopback(settings.listen_host):
             raise StartupRefused(f"development mode without a token only listens on loopback, not "
                                  f"{settings.listen_host}")
+    return token
+
+
+def build_daemon(settings: Settings, *, hooks: TestHooks | None = None) -> Daemon:
+    token = check_token(settings)
+    if token is None:
         log.warning("daemon.dev_mode", detail="no service token: every route is open to local callers")
     gateway_url = settings.gateway_url
     if gateway_url is None:
-        if fixture is None:
-            from deploy.loopback import LoopbackFixture
-
-            fixture = LoopbackFixture.start(record_path=str(settings.home / "loopback-requests.jsonl"))
-            log.info("gateway.embedded_fixture", url=fixture.base_url)
-        gateway_url = fixture.base_url
+        # `cloud-agent serve` fills in its default (the loopback fixture, runner.loopback_child)
+        raise StartupRefused("no gateway: set CLOUD_AGENT_GATEWAY_URL")
     supervisor = build_supervisor(settings, gateway_url, hooks=hooks)
 
     from runner.attestation import Attestor
@@ -116,8 +118,6 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
             log.info("daemon.ready", listen=f"{settings.listen_host}:{settings.listen_port}", gateway=gateway_url,
                      owner=supervisor.owner)
             yield
-        if fixture is not None and settings.gateway_url is None:
-            fixture.close()
 
     async def readiness() -> tuple[list[str], dict[str, str]]:
         reasons, detail = await attestor.readiness()
@@ -128,7 +128,7 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None, fixture:
     api = Api(supervisor, token, max_message_bytes=settings.max_message_bytes, max_body_bytes=settings.max_body_bytes,
               attestation=attestor.document, readiness=readiness, gate=gate)
     return Daemon(settings=settings, gateway_url=gateway_url, supervisor=supervisor,
-                  app=create_app(api, lifespan=lifespan), fixture=fixture, attestor=attestor)
+                  app=create_app(api, lifespan=lifespan), attestor=attestor)
 
 
 def serve(settings: Settings) -> None:

@@ -1,0 +1,55 @@
+"""SPEC 10: with no CLOUD_AGENT_GATEWAY_URL, `cloud-agent serve` serves jobs against the loopback
+fixture, which the CLI entry point starts as a child process (the daemon module never imports
+the fixture); the fixture ends with the daemon, even when the daemon is killed with -9."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.cli.attestation_helpers import spawn_daemon
+
+pytestmark = [pytest.mark.cli, pytest.mark.docker]
+
+
+def fixture_url(log: str) -> str:
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    urls = [e["url"] for e in events if e.get("event") == "gateway.embedded_fixture"]
+    ready = [e["gateway"] for e in events if e.get("event") == "daemon.ready"]
+    assert len(urls) == 1 and ready == urls, (urls, ready)
+    return urls[0]
+
+
+def refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/_fixture/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_serve_without_a_gateway_runs_jobs_on_the_loopback_child(tmp_path, sandbox_image) -> None:
+    env = {"CLOUD_AGENT_DEV_MODE": "1", "CLOUD_AGENT_IMAGE": sandbox_image, "CLOUD_AGENT_SANDBOX_NETWORK": "host",
+           "CLOUD_AGENT_HOST_ID": f"gw-{uuid.uuid4().hex[:10]}"}
+    with spawn_daemon(tmp_path / "home", env) as d:
+        url = fixture_url(d.log())
+        assert httpx.get(f"{url}/_fixture/health", timeout=5).json() == {"ok": True}
+        message = f"hello default gateway {uuid.uuid4().hex[:8]}"
+        job = {"job_id": "j1", "user_id": "u1", "chat_id": "c1", "member_id": "m1", "runtime": "codex",
+               "message": message}
+        with httpx.stream("POST", f"{d.url}/v1/jobs", json=job, timeout=300) as resp:
+            lines = [json.loads(line) for line in resp.iter_lines() if line.strip()]
+        receipt = lines[-1]["receipt"]
+        assert (receipt["context_status"], receipt["outcome"]) == ("NEW", "succeeded")
+        seen = httpx.get(f"{url}/_fixture/requests", params={"kind": "conversation"}, timeout=5).json()["requests"]
+        assert len(seen) == 1 and message in json.dumps(seen[0]["body"])
+        assert (tmp_path / "home" / "loopback-requests.jsonl").read_text().count(message) == 1
+        d.kill9()
+        deadline = time.monotonic() + 30
+        while not refuses_connections(url):  # the child sees stdin close when its parent dies
+            assert time.monotonic() < deadline, "the loopback child outlived its daemon"
+            time.sleep(0.1)

@@ -59,8 +59,9 @@ async def run_demo(runtimes: list[str], *, json_output: bool = False) -> int:
     from runner.config import load_settings
     from runner.serve import build_daemon
 
-    ensure_engine()
-    image = ensure_image()  # logs progress while it builds
+    # Blocking set-up (engine start, a possible image build) runs in worker threads, never on the loop.
+    await anyio.to_thread.run_sync(ensure_engine)
+    image = await anyio.to_thread.run_sync(ensure_image)  # logs progress while it builds
     from telemetry.logs import configure_logging
 
     configure_logging(json=False, level="WARNING")  # from here on the table tells the story
@@ -77,7 +78,7 @@ async def run_demo(runtimes: list[str], *, json_output: bool = False) -> int:
             "CLOUD_AGENT_SERVICE_TOKEN_FILE": str(home / "token"),
             "CLOUD_AGENT_LISTEN_PORT": str(port),
         })
-        daemon = build_daemon(settings)
+        daemon = await anyio.to_thread.run_sync(build_daemon, settings)  # opens the store
         server = uvicorn.Server(uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None,
                                                access_log=False, lifespan="on"))
         async with anyio.create_task_group() as tg:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -161,15 +162,33 @@ class DockerEngine:
 
     def __init__(self, base_url: str = "unix:///var/run/docker.sock", timeout_s: int = 120) -> None:
         self.base_url = base_url
-        self.client = docker.DockerClient(base_url=base_url, timeout=timeout_s)
-        self.api = self.client.api
+        self._timeout_s = timeout_s
+        # The SDK client negotiates the API version over the socket when it is made, so it is
+        # made lazily, by the first call, in a worker thread: constructing the engine is cheap
+        # and never blocks an event loop (nor fails when the engine is down; ping says so).
+        self._client: docker.DockerClient | None = None
+        self._client_lock = threading.Lock()
         # SDK calls are blocking; a bounded pool keeps a burst of turns from starving the engine.
         self._limiter = anyio.CapacityLimiter(16)
 
+    @property
+    def client(self) -> docker.DockerClient:
+        """The SDK client (blocking on first use: call it only from worker threads)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = docker.DockerClient(base_url=self.base_url, timeout=self._timeout_s)
+            return self._client
+
+    @property
+    def api(self) -> Any:
+        return self.client.api
+
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(sdk_client, *args, **kwargs)`` in a worker thread, mapping SDK errors."""
+
         def run() -> Any:
             try:
-                return fn(*args, **kwargs)
+                return fn(self.client, *args, **kwargs)
             except docker.errors.NotFound as exc:
                 raise NotFound(str(exc)) from exc
             except docker.errors.DockerException as exc:
@@ -179,12 +198,12 @@ class DockerEngine:
 
     async def ping(self) -> bool:
         try:
-            return bool(await self._call(self.api.ping))
+            return bool(await self._call(lambda c: c.api.ping()))
         except (EngineError, OSError):
             return False
 
     async def version(self) -> dict[str, Any]:
-        return await self._call(self.api.version)
+        return await self._call(lambda c: c.api.version())
 
     async def data_root_identity(self, *, create: bool) -> str | None:
         """An id that lives inside the engine's data root (a labelled marker volume).
@@ -193,58 +212,60 @@ class DockerEngine:
         the sandbox manager tells that retained native state cannot be there.
         """
         try:
-            vol = await self._call(self.client.volumes.get, DATA_ROOT_VOLUME)
+            vol = await self._call(lambda c: c.volumes.get(DATA_ROOT_VOLUME))
             return (vol.attrs.get("Labels") or {}).get(DATA_ROOT_LABEL)
         except NotFound:
             if not create:
                 return None
         ident = uuid.uuid4().hex
         try:
-            await self._call(self.client.volumes.create, name=DATA_ROOT_VOLUME, labels={DATA_ROOT_LABEL: ident})
+            await self._call(lambda c: c.volumes.create(name=DATA_ROOT_VOLUME, labels={DATA_ROOT_LABEL: ident}))
         except EngineError:
             pass  # created concurrently: read back whichever won
-        vol = await self._call(self.client.volumes.get, DATA_ROOT_VOLUME)
+        vol = await self._call(lambda c: c.volumes.get(DATA_ROOT_VOLUME))
         return (vol.attrs.get("Labels") or {}).get(DATA_ROOT_LABEL)
 
     async def image(self, ref: str) -> ImageInfo:
-        img = await self._call(self.client.images.get, ref)
+        img = await self._call(lambda c: c.images.get(ref))
         return ImageInfo(id=img.id, labels=dict(img.labels or {}), tags=tuple(img.tags))
 
     async def create(self, spec: ContainerSpec) -> ContainerInfo:
-        c = await self._call(
-            self.client.containers.create,
-            image=spec.image, name=spec.name, command=list(spec.command), labels=spec.labels,
-            init=True,  # PID 1 reaps: killed CLIs must not pile up as zombies
-            user=spec.user, working_dir=spec.workdir, network_mode="none",  # sealed (SPEC 7): there is no other setting
-            cap_drop=["ALL"], security_opt=["no-new-privileges"], privileged=False,
-            # swap equal to memory: no swap beyond the limit (the engine's default doubles it)
-            mem_limit=spec.memory_bytes, memswap_limit=spec.memory_bytes,
-            pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
-            detach=True, tty=False, stdin_open=False,
-            volumes={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
-            **({"storage_opt": {"size": str(spec.disk_bytes)}} if spec.disk_bytes else {}),
-        )
-        c.reload()
-        return _to_info(c)
+        def run(client: docker.DockerClient) -> ContainerInfo:
+            c = client.containers.create(
+                image=spec.image, name=spec.name, command=list(spec.command), labels=spec.labels,
+                init=True,  # PID 1 reaps: killed CLIs must not pile up as zombies
+                user=spec.user, working_dir=spec.workdir, network_mode="none",  # sealed (SPEC 7): there is no other setting
+                cap_drop=["ALL"], security_opt=["no-new-privileges"], privileged=False,
+                # swap equal to memory: no swap beyond the limit (the engine's default doubles it)
+                mem_limit=spec.memory_bytes, memswap_limit=spec.memory_bytes,
+                pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
+                detach=True, tty=False, stdin_open=False,
+                volumes={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+                **({"storage_opt": {"size": str(spec.disk_bytes)}} if spec.disk_bytes else {}),
+            )
+            c.reload()  # an engine round trip too: in this worker thread, not on the loop
+            return _to_info(c)
+
+        return await self._call(run)
 
     async def inspect(self, container_id: str) -> ContainerInfo:
-        return _to_info(await self._call(self.client.containers.get, container_id))
+        return await self._call(lambda c: _to_info(c.containers.get(container_id)))
 
     async def start(self, container_id: str) -> None:
-        await self._call(self.api.start, container_id)
+        await self._call(lambda c: c.api.start(container_id))
 
     async def stop(self, container_id: str, timeout_s: int = 5) -> None:
-        await self._call(self.api.stop, container_id, timeout=timeout_s)
+        await self._call(lambda c: c.api.stop(container_id, timeout=timeout_s))
 
     async def remove(self, container_id: str) -> None:
-        await self._call(self.api.remove_container, container_id, force=True)
+        await self._call(lambda c: c.api.remove_container(container_id, force=True))
 
     async def list_labelled(self, label: str) -> list[ContainerInfo]:
-        def run() -> list[ContainerInfo]:
+        def run(client: docker.DockerClient) -> list[ContainerInfo]:
             out = []
-            for row in self.api.containers(all=True, filters={"label": label}):
+            for row in client.api.containers(all=True, filters={"label": label}):
                 try:  # a container removed between the listing and its inspect is simply gone
-                    out.append(_to_info(self.client.containers.get(row["Id"])))
+                    out.append(_to_info(client.containers.get(row["Id"])))
                 except docker.errors.NotFound:
                     continue
             return out
@@ -253,21 +274,21 @@ class DockerEngine:
 
     async def exec_run(self, container_id: str, argv: list[str], *, user: str = "agent",
                        env: dict[str, str] | None = None, workdir: str | None = None) -> tuple[int, bytes]:
-        def run() -> tuple[int, bytes]:
-            ex = self.api.exec_create(container_id, argv, stdout=True, stderr=True, user=user,
-                                      environment=env, workdir=workdir)
-            out = self.api.exec_start(ex["Id"])
-            code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
+        def run(client: docker.DockerClient) -> tuple[int, bytes]:
+            ex = client.api.exec_create(container_id, argv, stdout=True, stderr=True, user=user,
+                                        environment=env, workdir=workdir)
+            out = client.api.exec_start(ex["Id"])
+            code = client.api.exec_inspect(ex["Id"]).get("ExitCode")
             return (code if code is not None else -1), out
 
         return await self._call(run)
 
     async def exec_attached(self, container_id: str, argv: list[str], *, user: str = "agent",
                             env: dict[str, str] | None = None, workdir: str | None = None) -> ExecStream:
-        def run() -> tuple[str, Any]:
-            ex = self.api.exec_create(container_id, argv, stdin=True, stdout=True, stderr=True, tty=False,
-                                      user=user, environment=env, workdir=workdir)
-            sock = self.api.exec_start(ex["Id"], socket=True, tty=False)
+        def run(client: docker.DockerClient) -> tuple[str, Any]:
+            ex = client.api.exec_create(container_id, argv, stdin=True, stdout=True, stderr=True, tty=False,
+                                        user=user, environment=env, workdir=workdir)
+            sock = client.api.exec_start(ex["Id"], socket=True, tty=False)
             return ex["Id"], sock
 
         exec_id, sock = await self._call(run)
@@ -280,7 +301,7 @@ class DockerEngine:
         return await ExecStream.from_socket(raw, exec_id)
 
     async def exec_exit_code(self, exec_id: str) -> int | None:
-        info = await self._call(self.api.exec_inspect, exec_id)
+        info = await self._call(lambda c: c.api.exec_inspect(exec_id))
         return None if info.get("Running") else info.get("ExitCode")
 
     async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool:
@@ -290,8 +311,8 @@ class DockerEngine:
         with anyio.move_on_after(timeout_s):
             delay = 0.01
             while True:
-                out = await self._call(self.api.logs, container_id, stdout=True, stderr=True,
-                                       since=int(since), timestamps=True, stream=False)
+                out = await self._call(lambda c: c.api.logs(container_id, stdout=True, stderr=True,
+                                                            since=int(since), timestamps=True, stream=False))
                 if any(_logged_after(line, since) for line in out.splitlines() if needle.encode() in line):
                     return True
                 await anyio.sleep(delay)
@@ -300,7 +321,7 @@ class DockerEngine:
 
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None:
         data = _tar(files, dirs)
-        ok = await self._call(self.api.put_archive, container_id, "/", data)
+        ok = await self._call(lambda c: c.api.put_archive(container_id, "/", data))
         if not ok:
             raise EngineError(f"put_archive into {container_id[:12]} failed")
 
@@ -335,4 +356,7 @@ class DockerEngine:
                 tg.cancel_scope.cancel()
 
     def close(self) -> None:
-        self.client.close()
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

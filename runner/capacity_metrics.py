@@ -1,21 +1,23 @@
 """Host capacity metrics (SPEC sections 11 and 13), with prometheus_client.
 
-One registry per supervisor (tests run several daemons in one process). Gauges that
-mirror live state read it when scraped, so they can never drift from it.
+On the daemon's one registry (runner.metrics; tests run several daemons in one process).
+Gauges that mirror live state read it when scraped, so they can never drift from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from telemetry.metrics import new_registry
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class CapacityMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else new_registry()
         r = self.registry
         self.queue_depth = Gauge("cloud_agent_queue_depth", "Jobs waiting for admission.", registry=r)
         self.queue_wait = Histogram("cloud_agent_queue_wait_seconds", "Time admitted jobs waited in the queue.",
@@ -36,6 +38,3 @@ class CapacityMetrics:
         self.queue_depth.set_function(depth)
         self.turns_running.set_function(running)
         self.sandboxes_running.set_function(sandboxes)
-
-    def render(self) -> str:
-        return generate_latest(self.registry).decode()

@@ -254,7 +254,8 @@ class Api:
                             status_code=503 if reasons else 200)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(await self.sup.render_metrics(), media_type="text/plain; version=0.0.4")
+        body, content_type = await self.sup.render_metrics(request.headers.get("accept", ""))
+        return Response(body, headers={"content-type": content_type})
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_document())

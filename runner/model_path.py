@@ -20,6 +20,7 @@ from pathlib import Path
 
 import anyio
 import structlog
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from drivers.models import GatewayConfig
@@ -89,7 +90,8 @@ class LedgerSink:
 
 class ModelPath:
     def __init__(self, settings: Settings, gateway_url: str, store: StoreContract, manager: SandboxManager, *,
-                 config: ProxyConfig | None = None, rewrite: Callable[[str, bytes], bytes] | None = None) -> None:
+                 config: ProxyConfig | None = None, rewrite: Callable[[str, bytes], bytes] | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
         self.settings, self.store, self.manager = settings, store, manager
         self.config = config or proxy_config(settings, gateway_url)
         self.chats: dict[str, _Chat] = {}  # chat_key -> ids (registered when its socket opens)
@@ -97,7 +99,8 @@ class ModelPath:
         self.jobs: dict[tuple[str, str], str] = {}  # (chat_key, member_key) -> running job id
         self.host: ProxyHost | None = None
         self.rewrite = rewrite  # test seam only (runner.turn.TestHooks.rewrite_model_request)
-        self.proxy_metrics = ProxyMetrics()  # proxy requests by route and status, wire verdicts (SPEC 11)
+        # proxy requests by route and status, wire verdicts (SPEC 11), on the daemon's registry
+        self.proxy_metrics = ProxyMetrics(registry)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

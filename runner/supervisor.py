@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import anyio
 import structlog
-from prometheus_client import generate_latest
 from anyio.abc import TaskGroup
 
 from drivers.models import DriverOptions
@@ -94,15 +93,16 @@ class Supervisor:
         self.owner = uuid.uuid4().hex
         self.pool = ResidentPool()
         self.hooks = hooks or TestHooks()
-        self.model_path = ModelPath(settings, gateway_url, store, manager, rewrite=self.hooks.rewrite_model_request)
+        self.metrics = Metrics()  # the daemon's one registry: every metric below joins it
+        self.model_path = ModelPath(settings, gateway_url, store, manager, rewrite=self.hooks.rewrite_model_request,
+                                    registry=self.metrics.registry)
         self.locks = MemberLocks()
-        self.metrics = Metrics()
-        self.capacity_metrics = CapacityMetrics()
+        self.capacity_metrics = CapacityMetrics(self.metrics.registry)
         self.capacity = HostCapacity(settings, manager=manager, pool=self.pool, locks=self.locks,
                                      metrics=self.capacity_metrics, on_stopped=self.model_path.close)
         self.sweeps = Sweeps(store=store, capacity=self.capacity, retain_days=settings.retain_days)
         self.memory = ResidentMemory(settings.resident_memory_bytes(), pool=self.pool, locks=self.locks,
-                                     registry=self.capacity_metrics.registry, refresh_s=settings.memory_refresh_s,
+                                     registry=self.metrics.registry, refresh_s=settings.memory_refresh_s,
                                      max_wait_s=settings.turn_timeout_s)
         self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, model_path=self.model_path,
                                  models=settings.models,
@@ -363,15 +363,14 @@ class Supervisor:
             "last_receipts": receipts,
         }
 
-    async def render_metrics(self) -> str:
+    async def render_metrics(self, accept: str = "") -> tuple[bytes, str]:
+        """The Prometheus exposition (in the format ``accept`` asks for) and its content type."""
         states: dict[str, int] = {s.value: 0 for s in SandboxState}
         for rec in await self.store.list_sandboxes():
             if rec.host_id == self.manager.config.host_id:
                 states[rec.state.value] += 1
-        text = self.metrics.render(residents=sum(1 for k in self.pool.keys() if self.pool.is_resident(k)),
-                                   sandboxes=states)
-        return (text + generate_latest(self.model_path.proxy_metrics.registry).decode()
-                + self.capacity_metrics.render())
+        return self.metrics.render(residents=sum(1 for k in self.pool.keys() if self.pool.is_resident(k)),
+                                   sandboxes=states, accept=accept)
 
     async def stop_chat(self, user_id: str, chat_id: str) -> bool:
         chat_keys = self.locks.chat_keys(user_id, chat_id)

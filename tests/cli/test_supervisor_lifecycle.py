@@ -8,6 +8,7 @@ import pytest
 from deploy.loopback import LoopbackFixture
 from tests.daemon_harness import daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
+from tests.support.metrics import sample
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -64,11 +65,12 @@ async def test_new_live_restored_restored_lost(runtime, fx, tmp_path, sandbox_im
                                                                                      "container_missing")
         assert receipt["locator_after"] == locator
         assert [r for r in fx.requests() if r.seq > mark] == []
-        metrics = (await d.client.get("/metrics")).text.splitlines()
+        resp = await d.client.get("/metrics")
+        assert resp.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        metrics = resp.text
         for status, outcome, n in (("NEW", "succeeded", 1), ("LIVE", "succeeded", 1), ("RESTORED", "succeeded", 2),
                                    ("LOST", "refused", 1)):
-            line = f'cloud_agent_turns_total{{runtime="{runtime}",status="{status}",outcome="{outcome}"}} {n}'
-            assert line in metrics, metrics
-        assert f'cloud_agent_refusals_total{{runtime="{runtime}",reason="container_missing"}} 1' in metrics
-        assert f'cloud_agent_turn_phase_ms_count{{runtime="{runtime}",phase="total"}} 5' in metrics
-        assert 'cloud_agent_sandboxes{state="lost"} 1' in metrics
+            assert sample(metrics, "cloud_agent_turns_total", runtime=runtime, status=status, outcome=outcome) == n
+        assert sample(metrics, "cloud_agent_refusals_total", runtime=runtime, reason="container_missing") == 1
+        assert sample(metrics, "cloud_agent_turn_phase_ms_count", runtime=runtime, phase="total") == 5
+        assert sample(metrics, "cloud_agent_sandboxes", state="lost") == 1

@@ -55,9 +55,9 @@ class FakeSupervisor:
         self.calls.append("fork")
         return {"member_id": req.new_member_id, "forked_from": member_id}
 
-    async def render_metrics(self) -> str:
-        self.calls.append("render_metrics")
-        return "cloud_agent_resident_processes 0\n"
+    async def render_metrics(self, accept: str = "") -> tuple[bytes, str]:
+        self.calls.append(f"render_metrics {accept}")
+        return b"cloud_agent_resident_processes 0.0\n", "text/plain; version=0.0.4; charset=utf-8"
 
     async def retire_member(self, user_id: str, chat_id: str, member_id: str) -> Any:
         self.calls.append("retire_member")
@@ -100,6 +100,15 @@ async def test_the_right_token_passes(scheme) -> None:
         assert (await c.get("/v1/attestation", headers=headers)).json() == {"source": {"sha": "x"}}
         assert (await c.get("/readyz", headers=headers)).json() == {"ready": True, "reasons": [], "detail": {}}
         assert (await c.get("/v1/users/u1/chats/c1", headers=headers)).status_code == 200
+
+
+async def test_metrics_answer_in_the_format_the_scraper_accepts() -> None:
+    sup = FakeSupervisor()
+    async with client(sup=sup) as c:
+        resp = await c.get("/metrics", headers={"authorization": f"Bearer {TOKEN}", "accept": "text/plain"})
+    assert (resp.status_code, resp.text, resp.headers["content-type"]) == (
+        200, "cloud_agent_resident_processes 0.0\n", "text/plain; version=0.0.4; charset=utf-8")
+    assert sup.calls == ["render_metrics text/plain"]
 
 
 async def test_healthz_needs_no_token() -> None:

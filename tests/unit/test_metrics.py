@@ -1,11 +1,14 @@
-"""Prometheus text exposition of turn outcomes and timings."""
+"""Prometheus exposition of turn outcomes and timings (prometheus_client, one registry per daemon)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from runner.metrics import Metrics
 from state.receipts import ContextStatus, Outcome, Receipt, Timings
+from tests.support.metrics import sample
 
 
 def receipt(status: ContextStatus | None, outcome: Outcome, reason: str | None = None, total: int = 120) -> Receipt:
@@ -15,29 +18,59 @@ def receipt(status: ContextStatus | None, outcome: Outcome, reason: str | None =
                    started_at=now, finished_at=now)
 
 
+def render(m: Metrics, **kw) -> str:
+    body, content_type = m.render(**({"residents": 0, "sandboxes": {}} | kw))
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    return body.decode()
+
+
 def test_counters_histograms_and_gauges() -> None:
     m = Metrics()
     m.observe(receipt(ContextStatus.NEW, Outcome.SUCCEEDED, total=900))
     m.observe(receipt(ContextStatus.LIVE, Outcome.SUCCEEDED, total=40))
     m.observe(receipt(ContextStatus.LIVE, Outcome.FAILED, "context_too_long", total=40))
     m.observe(receipt(ContextStatus.LOST, Outcome.REFUSED, "container_missing", total=8))
-    text = m.render(residents=2, sandboxes={"running": 1, "lost": 1}).splitlines()
-    assert 'cloud_agent_turns_total{runtime="pi",status="LIVE",outcome="succeeded"} 1' in text
-    assert 'cloud_agent_turns_total{runtime="pi",status="LIVE",outcome="failed"} 1' in text
-    assert 'cloud_agent_refusals_total{runtime="pi",reason="container_missing"} 1' in text
-    assert 'cloud_agent_failures_total{runtime="pi",reason="context_too_long"} 1' in text
-    assert 'cloud_agent_turn_phase_ms_bucket{runtime="pi",phase="total",le="10"} 1' in text
-    assert 'cloud_agent_turn_phase_ms_bucket{runtime="pi",phase="total",le="50"} 3' in text
-    assert 'cloud_agent_turn_phase_ms_bucket{runtime="pi",phase="total",le="1000"} 4' in text
-    assert 'cloud_agent_turn_phase_ms_bucket{runtime="pi",phase="total",le="+Inf"} 4' in text
-    assert 'cloud_agent_turn_phase_ms_sum{runtime="pi",phase="total"} 988' in text
-    assert "cloud_agent_resident_processes 2" in text
-    assert 'cloud_agent_sandboxes{state="lost"} 1' in text
-    assert text.count("# TYPE cloud_agent_turns_total counter") == 1
+    text = render(m, residents=2, sandboxes={"running": 1, "lost": 1})
+    assert sample(text, "cloud_agent_turns_total", runtime="pi", status="LIVE", outcome="succeeded") == 1
+    assert sample(text, "cloud_agent_turns_total", runtime="pi", status="LIVE", outcome="failed") == 1
+    assert sample(text, "cloud_agent_turns_total", runtime="pi", status="NEW", outcome="succeeded") == 1
+    assert sample(text, "cloud_agent_refusals_total", runtime="pi", reason="container_missing") == 1
+    assert sample(text, "cloud_agent_failures_total", runtime="pi", reason="context_too_long") == 1
+    assert sample(text, "cloud_agent_failures_total", runtime="pi", reason="container_missing") is None
+    bucket = "cloud_agent_turn_phase_ms_bucket"
+    assert sample(text, bucket, runtime="pi", phase="total", le="10.0") == 1
+    assert sample(text, bucket, runtime="pi", phase="total", le="50.0") == 3
+    assert sample(text, bucket, runtime="pi", phase="total", le="1000.0") == 4
+    assert sample(text, bucket, runtime="pi", phase="total", le="+Inf") == 4
+    assert sample(text, "cloud_agent_turn_phase_ms_sum", runtime="pi", phase="total") == 988
+    assert sample(text, "cloud_agent_turn_phase_ms_count", runtime="pi", phase="sandbox") == 4
+    assert sample(text, "cloud_agent_resident_processes") == 2
+    assert sample(text, "cloud_agent_sandboxes", state="lost") == 1
+    assert text.splitlines().count("# TYPE cloud_agent_turns_total counter") == 1
+    types = {f.name: f.type for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+    assert types == {"cloud_agent_turns": "counter", "cloud_agent_refusals": "counter",
+                     "cloud_agent_failures": "counter", "cloud_agent_turn_phase_ms": "histogram",
+                     "cloud_agent_resident_processes": "gauge", "cloud_agent_sandboxes": "gauge"}
 
 
 def test_label_values_are_escaped() -> None:
     m = Metrics()
     m.observe(receipt(ContextStatus.LOST, Outcome.REFUSED, 'we"ird\\reason'))
-    assert 'cloud_agent_refusals_total{runtime="pi",reason="we\\"ird\\\\reason"} 1' in m.render(
-        residents=0, sandboxes={}).splitlines()
+    text = render(m)
+    assert 'reason="we\\"ird\\\\reason"' in text
+    assert sample(text, "cloud_agent_refusals_total", runtime="pi", reason='we"ird\\reason') == 1
+
+
+def test_each_daemon_has_its_own_registry() -> None:
+    first, second = Metrics(), Metrics()  # the default global registry would raise "Duplicated timeseries"
+    first.observe(receipt(ContextStatus.NEW, Outcome.SUCCEEDED))
+    assert sample(render(first), "cloud_agent_turns_total", runtime="pi", status="NEW", outcome="succeeded") == 1
+    assert sample(render(second), "cloud_agent_turns_total", runtime="pi", status="NEW", outcome="succeeded") is None
+
+
+def test_the_scraper_chooses_the_format() -> None:
+    m = Metrics()
+    m.observe(receipt(ContextStatus.NEW, Outcome.SUCCEEDED))
+    body, content_type = m.render(residents=0, sandboxes={}, accept="application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    assert body.decode().endswith("# EOF\n")

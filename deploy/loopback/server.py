@@ -63,6 +63,14 @@ class _Server(ThreadingHTTPServer):
     recorder: Recorder
     stopping: threading.Event
     control_token: str
+    releases: threading.Condition  # notified by LoopbackFixture.release_stalls
+    release_count: int = 0
+
+    def hold(self, seconds: float) -> None:
+        """A stall: until ``seconds`` pass, the fixture closes, or a test releases its stalls."""
+        with self.releases:
+            seen = self.release_count
+            self.releases.wait_for(lambda: self.stopping.is_set() or self.release_count != seen, timeout=seconds)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -231,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._chunk(frame)
             deltas += is_delta
             if i == 0 and plan.stall:
-                self.server.stopping.wait(plan.stall)
+                self.server.hold(plan.stall)
         if plan.cut_after is not None:  # fewer deltas than the cut point: still drop the final events
             self._end_cut(plan.abort)
             return
@@ -325,6 +333,7 @@ class LoopbackFixture:
         self._server.behaviour, self._server.recorder = self.behaviour, self.recorder
         self._server.control_token = self.control_token
         self._server.stopping = threading.Event()
+        self._server.releases = threading.Condition()
         self._thread: threading.Thread | None = None
         self.host, self.port = host, self._server.server_address[1]
 
@@ -400,9 +409,17 @@ class LoopbackFixture:
         if rules:
             self.behaviour.clear()
 
+    def release_stalls(self) -> None:
+        """End every stall in progress now (a test holds a turn until it has seen what it needs)."""
+        with self._server.releases:
+            self._server.release_count += 1
+            self._server.releases.notify_all()
+
     # ---- lifecycle
     def close(self) -> None:
         self._server.stopping.set()  # wakes stalled streams
+        with self._server.releases:
+            self._server.releases.notify_all()
         if self._thread is not None:
             self._server.shutdown()
             self._thread.join(timeout=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 import time
 
 import httpx
@@ -272,8 +273,6 @@ def test_stall_sends_the_first_event_then_waits(fx) -> None:
 def test_stall_is_cut_short_when_the_fixture_closes() -> None:
     fx = LoopbackFixture.start()
     fx.add_rule(stall(30))
-    import threading
-
     done = threading.Event()
 
     def run() -> None:
@@ -312,3 +311,27 @@ def test_rules_round_trip_as_json() -> None:
              fail(503, retry_after_ms=50), reject(context_window=True), cut(3, abort=True), stall(1.5)]
     again = [Rule.model_validate_json(r.model_dump_json()) for r in rules]
     assert again == rules
+
+
+def test_release_stalls_ends_a_stall_in_progress_and_only_that_one(fx) -> None:
+    fx.add_rule(stall(600, match="held"))
+    results: list[str] = []
+
+    def run() -> None:
+        results.append(text_of("chat", stream(fx, "chat", body("chat", ["held"]))[2]))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    fx.wait_for(lambda rs: len(rs) == 1)
+    fx.release_stalls()
+    t.join(30)
+    assert not t.is_alive() and results == [expected_default_reply(["held"])]
+    # a stall that starts after the release is held again (the release is not sticky)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    fx.wait_for(lambda rs: len(rs) == 2)
+    t.join(0.5)
+    assert t.is_alive()
+    fx.release_stalls()
+    t.join(30)
+    assert not t.is_alive() and len(results) == 2

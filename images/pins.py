@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import tomllib
 from functools import lru_cache
 from pathlib import Path
@@ -70,6 +69,3 @@ def load_pins(path: Path = PINS_FILE) -> Pins:
     with path.open("rb") as fh:
         return Pins.model_validate(tomllib.load(fh))
 
-
-def pins_digest(path: Path = PINS_FILE) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

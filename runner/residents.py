@@ -87,7 +87,7 @@ class ResidentPool:
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.move_on_after(self.grace_s):
-                    await r.session.close(self.grace_s)
+                    await r.session.close()
                     # Let the CLI exit on its own after stdin EOF: Claude 2.1.220 writes the
                     # last reply to its transcript up to ~0.1 s after `result`, and a signal
                     # in that window loses it from the native history.

@@ -47,7 +47,7 @@ from sandbox_manager.sandboxes import (
 )
 from state.jobs import Job
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
-from state.records import MemberRecord, SavedLocator
+from state.records import MemberRecord, SandboxState, SavedLocator
 from state.store import MemberOutcome, Store, VerifiedTurn
 from telemetry.turn_trace import TurnTrace, mark
 
@@ -76,6 +76,18 @@ def to_locator(saved: SavedLocator | None) -> Locator | None:
 
 def to_saved(loc: Locator) -> SavedLocator:
     return SavedLocator(id=loc.id, path=loc.path)
+
+
+def is_new(member: MemberRecord) -> bool:
+    """NEW: no native turn of this member's own session has settled (a lazy fork's session
+    comes into being at its first turn, whatever history it inherits)."""
+    return member.settled_turns == 0 or member.pending_fork is not None
+
+
+def serves(resident: Resident, saved: SavedLocator | None, container_id: str) -> bool:
+    """LIVE: the resident process is alive, on the saved locator, in the chat's container."""
+    return (resident.alive and saved is not None and resident.locator is not None
+            and resident.locator.id == saved.id and resident.container_id == container_id)
 
 
 class Refusal(Exception):
@@ -113,7 +125,8 @@ class TurnRunner:
     def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, model_path: ModelPath,
                  models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
                  hooks: TestHooks | None = None, driver_options: DriverOptions | None = None,
-                 launch_gate: LaunchGate | None = None) -> None:
+                 launch_gate: LaunchGate | None = None,
+                 drivers: Callable[[str, DriverOptions | None], Driver] = get_driver) -> None:
         self.store = store
         self.manager = manager
         self.pool = pool
@@ -128,10 +141,11 @@ class TurnRunner:
         self.launch_gate = launch_gate
         # (user_id, job_id) -> why a turn is being cancelled (its receipt's reason), e.g. chat_deleted
         self.cancel_reasons: dict[tuple[str, str], str] = {}
+        self.drivers = drivers  # (runtime, launch inputs) -> driver: the registry
 
     def driver(self, runtime: str) -> Driver:
         """The runtime's driver with this host's launch inputs (pins, compaction policy)."""
-        return get_driver(runtime, self.driver_options)
+        return self.drivers(runtime, self.driver_options)
 
     def gateway(self, runtime: str, user_id: str, chat_id: str, member_id: str) -> GatewayConfig:
         """The member's own base URL through its sandbox's model socket, and a placeholder key."""
@@ -236,8 +250,9 @@ class TurnRunner:
             raise Refusal("runtime_mismatch", status=None, sticky=False)
         saved = member.locator if member else None
         # Identity rule 2: a requested locator must equal the saved one; checked before launch.
+        # The member is not condemned: the receipt says what its next turn would be (SPEC 3).
         if job.locator is not None and (saved is None or job.locator != saved.id):
-            raise Refusal("locator_mismatch", sticky=False)
+            raise Refusal("locator_mismatch", status=await self._standing(member, key), sticky=False)
         if member is not None and member.lost_reason is not None:
             raise Refusal("previously_lost")  # a LOST member stays LOST
         # Identity rule 3: settled turns but no resume locator (an unstarted lazy fork has none yet).
@@ -268,8 +283,7 @@ class TurnRunner:
             ctx.member = member
         t = time.monotonic()
         resident = self.pool.get(key)  # again: resolving may have retired it
-        if (resident is not None and resident.alive and saved is not None and resident.locator is not None
-                and resident.locator.id == saved.id and resident.container_id == ctx.sandbox.container_id):
+        if resident is not None and serves(resident, saved, ctx.sandbox.container_id):
             ctx.status = ContextStatus.LIVE
             ctx.cli_version = resident.session.cli_version
             resident.last_used = time.monotonic()
@@ -278,15 +292,31 @@ class TurnRunner:
             return resident.session
         if resident is not None:
             await self.pool.retire(key, "stale before turn")
-        # NEW: no native turn of this member's own session has settled (a lazy fork's session
-        # comes into being at this turn, whatever history it inherits).
-        new = member.settled_turns == 0 or member.pending_fork is not None
-        ctx.status = ContextStatus.NEW if new else ContextStatus.RESTORED
+        ctx.status = ContextStatus.NEW if is_new(member) else ContextStatus.RESTORED
         resume = to_locator(saved) if ctx.status == ContextStatus.RESTORED else None
         session = await self._launch(ctx, key, resume)
         ctx.timings.process = ctx.ms_since(t)
         mark("process_ready")
         return session
+
+    async def _standing(self, member: MemberRecord | None, key: tuple[str, str, str]) -> ContextStatus:
+        """The status the member's next turn would have, read from its record, the resident pool
+        and the sandbox record only: a refused job starts nothing and changes nothing."""
+        sandbox = await self.store.get_sandbox(*key[:2])
+        if sandbox is not None and sandbox.state == SandboxState.LOST:
+            return ContextStatus.LOST
+        if member is None:
+            return ContextStatus.NEW
+        if member.lost_reason is not None:
+            return ContextStatus.LOST
+        if is_new(member):
+            return ContextStatus.NEW
+        if member.locator is None:
+            return ContextStatus.LOST
+        resident = self.pool.get(key)
+        if resident is not None and sandbox is not None and serves(resident, member.locator, sandbox.container_id):
+            return ContextStatus.LIVE
+        return ContextStatus.RESTORED
 
     async def _launch(self, ctx: TurnContext, key: tuple[str, str, str], resume: Locator | None) -> NativeSession:
         job, sandbox = ctx.job, ctx.sandbox

@@ -45,6 +45,7 @@ LABEL_DATA_ROOT = f"{LABEL_PREFIX}.dataroot-id"
 AGENT_HOME = "/home/agent"
 WORKSPACE = f"{AGENT_HOME}/workspace"
 MEMBERS_DIR = f"{AGENT_HOME}/members"
+KILL_GRACE_S = 3.0  # a retired process group gets this long between TERM and KILL
 
 # The model socket (SPEC 7, 12): the host proxy's per-sandbox directory is mounted read-only
 # here, and the container's command forwards 127.0.0.1:MODEL_PORT to the socket inside it.
@@ -430,12 +431,11 @@ class SandboxManager:
         stream = await self.engine.exec_attached(sandbox.container_id, argv, env=env, workdir=workdir)
         return MemberProcess(container_id=sandbox.container_id, stream=stream, pidfile=pidfile)
 
-    async def kill_group(self, container_id: str, pidfile: str, grace_s: float = 3.0) -> None:
-        """Retire a process: kill its whole process group inside the container.
-
-        Closing the exec client never ends the process inside (SPEC section 7).
+    async def kill_group(self, container_id: str, pidfile: str) -> None:
+        """Retire a process: kill its whole process group inside the container (TERM, then KILL
+        after KILL_GRACE_S). Closing the exec client never ends the process inside (SPEC section 7).
         """
-        tries = max(1, int(grace_s / 0.1))
+        tries = max(1, int(KILL_GRACE_S / 0.1))
         script = (
             'pg=$(cat "$1" 2>/dev/null) || exit 0; [ -n "$pg" ] || exit 0; '
             'kill -s TERM -- "-$pg" 2>/dev/null || { rm -f "$1"; exit 0; }; i=0; '
@@ -463,14 +463,3 @@ class SandboxManager:
                 log.info("sandbox.reaped", container=info.name, groups=n)
             killed += n
         return killed
-
-    async def list_processes(self, container_id: str) -> list[dict[str, str]]:
-        """ps of a sandbox (tests and status): pid, pgid, stat, comm."""
-        code, out = await self.engine.exec_run(container_id, ["ps", "-eo", "pid=,pgid=,stat=,comm="])
-        rows = []
-        for line in out.decode(errors="replace").splitlines():
-            parts = line.split(None, 3)
-            if len(parts) == 4:
-                rows.append(dict(zip(("pid", "pgid", "stat", "comm"), parts, strict=True)))
-        return rows
-

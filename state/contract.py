@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from state.records import JobRecord, MemberRecord, PendingFork, SandboxRecord, SandboxState, SavedLocator
 from state.wire_ledger import WireRecordRow, WireTurnRow
@@ -135,7 +135,6 @@ class StoreContract(Protocol):
                                  locator: SavedLocator | None, settled_turns: int,
                                  pending: PendingFork | None) -> MemberRecord | None: ...
     async def mark_member_lost(self, user_id: str, chat_id: str, member_id: str, reason: str) -> None: ...
-    async def erase_locator_for_test(self, user_id: str, chat_id: str, member_id: str) -> None: ...
 
     # jobs
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
@@ -163,5 +162,3 @@ class StoreContract(Protocol):
     # deleting a chat (state.chat_deletion): records gone, receipts kept as tombstones
     async def chat_known(self, user_id: str, chat_id: str) -> bool: ...
     async def delete_chat(self, user_id: str, chat_id: str) -> ChatDeletion: ...
-
-    def raw_rows(self, table: str) -> list[dict[str, Any]]: ...

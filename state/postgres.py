@@ -266,11 +266,6 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion):
             "UPDATE members SET lost_reason=%s, updated_at=%s WHERE user_id=%s AND chat_id=%s AND member_id=%s"
             " AND lost_reason IS NULL", (reason, now().isoformat(), user_id, chat_id, member_id)))
 
-    async def erase_locator_for_test(self, user_id: str, chat_id: str, member_id: str) -> None:
-        await self._tx(lambda conn: conn.execute(
-            "UPDATE members SET locator_id=NULL, locator_path=NULL WHERE user_id=%s AND chat_id=%s AND member_id=%s",
-            (user_id, chat_id, member_id)))
-
     # -- jobs -------------------------------------------------------------------------------
 
     _JOB = "SELECT * FROM jobs WHERE user_id=%s AND job_id=%s"
@@ -397,10 +392,3 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion):
             return [r["receipt_json"] for r in rows]
 
         return await self._tx(q)
-
-    # -- operators and tests --------------------------------------------------------------------
-
-    def raw_rows(self, table: str) -> list[dict[str, Any]]:
-        """Synchronous read for tests and operators (its own short connection)."""
-        with psycopg.connect(self.url, row_factory=dict_row) as conn:
-            return list(conn.execute(f"SELECT * FROM {table}"))  # noqa: S608 - fixed names

@@ -14,7 +14,7 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 
@@ -239,15 +239,6 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion):
 
         await self._run(q)
 
-    async def erase_locator_for_test(self, user_id: str, chat_id: str, member_id: str) -> None:
-        """Operator/test tool: simulate a store that lost a member's locator (a LOST case)."""
-
-        def q(db: sqlite3.Connection) -> None:
-            db.execute("UPDATE members SET locator_id=NULL, locator_path=NULL WHERE user_id=? AND chat_id=?"
-                       " AND member_id=?", (user_id, chat_id, member_id))
-
-        await self._run(q)
-
     # -- jobs -------------------------------------------------------------------------------
 
     @staticmethod
@@ -406,8 +397,3 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion):
             return int(db.execute(sql, args).fetchone()[0])
 
         return await self._run(q)
-
-    def raw_rows(self, table: str) -> list[dict[str, Any]]:
-        """Synchronous read for tests and operators (e.g. after a kill -9)."""
-        with self._lock:
-            return [dict(r) for r in self._db.execute(f"SELECT * FROM {table}")]  # noqa: S608 - fixed names

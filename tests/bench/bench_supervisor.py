@@ -45,6 +45,7 @@ from runner.processes import member_paths, start_in_sandbox
 from runner.transport import exec_transport
 from runner.turn import TestHooks
 from tests.daemon_harness import daemon_settings, running_daemon
+from tests.support.store import rows
 
 RUNTIMES = ("claude", "codex", "pi", "opencode", "kilo")
 TRACING = "turn_trace" in {f.name for f in fields(TestHooks)}
@@ -287,7 +288,7 @@ async def main(args: argparse.Namespace) -> None:
                 create_mgr, create_raw = await bench_create(sup, image, max(3, args.n // 4))
                 create_load = load()
             finally:
-                for rec in sup.store.raw_rows("sandboxes"):
+                for rec in rows(sup.store, "sandboxes"):
                     try:
                         client.api.remove_container(rec["container_id"], force=True)
                     except docker.errors.NotFound:

@@ -15,6 +15,7 @@ from deploy.loopback import LoopbackFixture, stall
 from sandbox_manager.sandboxes import LABEL_IDENTITY, container_name
 from tests.daemon_harness import daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
+from tests.support.store import rows
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -28,7 +29,7 @@ def fx():
 
 
 def chat_rows(store, user_id: str, chat_id: str) -> dict[str, int]:
-    return {t: sum(1 for r in store.raw_rows(t) if (r["user_id"], r["chat_id"]) == (user_id, chat_id))
+    return {t: sum(1 for r in rows(store, t) if (r["user_id"], r["chat_id"]) == (user_id, chat_id))
             for t in CHAT_TABLES}
 
 
@@ -83,7 +84,7 @@ async def test_delete_destroys_the_chat_and_a_reused_id_is_new(fx, tmp_path, san
         assert len(pids) > 2  # the gate plus the two resident CLIs (and their helpers)
         before = chat_rows(store, user, chat_id)
         assert before["members"] == len(runtimes) and before["sandboxes"] == 1 and before["wire_records"] > 0
-        assert any(r["capture_json"] for r in store.raw_rows("wire_records") if r["user_id"] == user)
+        assert any(r["capture_json"] for r in rows(store, "wire_records") if r["user_id"] == user)
         neighbour_rows = chat_rows(store, neighbour.user_id, chat_id)
 
         # another user cannot delete it, nor learn that it exists
@@ -109,9 +110,9 @@ async def test_delete_destroys_the_chat_and_a_reused_id_is_new(fx, tmp_path, san
         assert not Path(settings.check_socket_root(), container_name(user, chat_id)).exists()
         # the store: no record, ledger row or captured text; receipts are tombstones without text
         assert chat_rows(store, user, chat_id) == dict.fromkeys(CHAT_TABLES, 0)
-        jobs = [r for r in store.raw_rows("jobs") if (r["user_id"], r["chat_id"]) == (user, chat_id)]
+        jobs = [r for r in rows(store, "jobs") if (r["user_id"], r["chat_id"]) == (user, chat_id)]
         assert len(jobs) == 2 * len(runtimes) and all(r["deleted_at"] for r in jobs)
-        everything = json.dumps([store.raw_rows(t) for t in ("jobs", *CHAT_TABLES)], default=str)
+        everything = json.dumps([rows(store, t) for t in ("jobs", *CHAT_TABLES)], default=str)
         for reply in replies:
             assert reply not in everything
         assert "kumquat" not in everything  # no user text either (captured texts, failed queries)

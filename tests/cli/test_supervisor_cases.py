@@ -15,6 +15,7 @@ from sandbox_manager.sandboxes import LABEL_IDENTITY
 from state.store import Store
 from tests.daemon_harness import TOKEN, daemon_process, daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, high_water
+from tests.support.store import erase_locator, rows
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 RUNTIME = "codex"
@@ -35,11 +36,11 @@ async def two_turns(d, chat: Chat, fx) -> dict:
     return receipt
 
 
-async def assert_refused(d, fx, chat: Chat, reason: str, **job_extra) -> dict:
+async def assert_refused(d, fx, chat: Chat, reason: str, status: str = "LOST", **job_extra) -> dict:
     mark = high_water(fx)
     receipt, _, resp = await d.run(chat.job("this must never reach a model", **job_extra))
     assert resp.status_code == 200
-    assert (receipt["context_status"], receipt["outcome"], receipt["reason"]) == ("LOST", "refused", reason)
+    assert (receipt["context_status"], receipt["outcome"], receipt["reason"]) == (status, "refused", reason)
     assert [r for r in fx.requests() if r.seq > mark] == [], "a refused turn must not reach the model"
     return receipt
 
@@ -65,16 +66,20 @@ async def test_lost_cases(fx, tmp_path, sandbox_image, docker_client) -> None:
         # a member with settled turns whose locator was erased from the store
         chat = Chat(RUNTIME)
         last = await two_turns(d, chat, fx)
-        await store.erase_locator_for_test(chat.user_id, chat.chat_id, chat.member_id)
+        erase_locator(store, chat.user_id, chat.chat_id, chat.member_id)
         await d.client.post(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}/members/{chat.member_id}/retire")
         await assert_refused(d, fx, chat, "member_locator_missing")
 
-        # a job naming a locator other than the saved one: rejected before any process starts
+        # a job naming a locator other than the saved one: rejected before any process starts,
+        # with the member's real status (its resident process serves the next turn: LIVE, SPEC 3)
         chat = Chat(RUNTIME)
         last = await two_turns(d, chat, fx)
         saved = last["locator_after"]
-        r = await assert_refused(d, fx, chat, "locator_mismatch", locator="01a20000-0000-7000-8000-000000000000")
+        r = await assert_refused(d, fx, chat, "locator_mismatch", status="LIVE",
+                                 locator="01a20000-0000-7000-8000-000000000000")
         assert r["locator_before"] == saved and r["locator_after"] == saved
+        member = (await d.client.get(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}")).json()["members"][0]
+        assert (member["lost_reason"], member["resident"], member["settled_turns"]) == (None, True, 2)
         # naming the saved locator explicitly works (and the member was not marked lost)
         chat.expect_turn("third question")
         mark = high_water(fx)
@@ -114,10 +119,12 @@ async def test_duplicate_job_ids_sequential_and_concurrent(fx, tmp_path, sandbox
         fetched = await d.client.get(f"/v1/jobs/{job['job_id']}", params={"user_id": chat.user_id})
         assert fetched.json() == first
 
-        # 8 concurrent dispatches of one new job id: exactly one execution
+        # 7 dispatches of a job id while it runs (its turn held in the fixture): each is told
+        # job_running; exactly one execution, one 200 stream carrying the receipt
         chat.expect_turn("eight at once")
         job = chat.job("eight at once")
         n = len(fx.requests(kind="conversation"))
+        fx.add_rule(stall(600, match="eight at once", times=1, id="hold-first"))
         results: list[tuple[int, object]] = []
 
         async def dispatch() -> None:
@@ -126,16 +133,19 @@ async def test_duplicate_job_ids_sequential_and_concurrent(fx, tmp_path, sandbox
                 results.append((resp.status_code, body))
 
         async with anyio.create_task_group() as tg:
-            for _ in range(8):
-                tg.start_soon(dispatch)
+            tg.start_soon(dispatch)
+            await anyio.to_thread.run_sync(lambda: fx.wait_for(
+                lambda rs: any("eight at once" in json.dumps(r.body) for r in rs), timeout=120))
+            async with anyio.create_task_group() as again:
+                for _ in range(7):
+                    again.start_soon(dispatch)
+            fx.release_stalls()
+        assert [s for s, _ in results] == [409] * 7 + [200]
+        assert all(b == [{"error": "job_running", "detail": "this job_id is still running"}] for _, b in results[:7])
+        ran = results[-1][1]
+        assert ran[-1]["type"] == "receipt" and ran[-1]["receipt"]["outcome"] == "succeeded"
         assert len(fx.requests(kind="conversation")) == n + 1
-        ran = [b for s, b in results if s == 200]
-        busy = [b for s, b in results if s == 409]
-        assert len(ran) + len(busy) == 8
-        receipts = {json.dumps(b[-1]["receipt"], sort_keys=True) for b in ran}
-        assert len(receipts) == 1, "every 200 answer carries the one receipt"
-        assert all(b == [{"error": "job_running", "detail": "this job_id is still running"}] for b in busy)
-        jobs = [r for r in d.daemon.supervisor.store.raw_rows("jobs") if r["job_id"] == job["job_id"]]
+        jobs = [r for r in rows(d.daemon.supervisor.store, "jobs") if r["job_id"] == job["job_id"]]
         assert len(jobs) == 1 and jobs[0]["state"] == "done"
 
 
@@ -221,8 +231,8 @@ async def test_bad_input_names_the_field(patch, field, fx, tmp_path, sandbox_ima
         resp = await d.client.post("/v1/jobs", json=job)
         assert resp.status_code == 422
         assert field in [f["field"] for f in resp.json()["detail"]]
-        assert d.daemon.supervisor.store.raw_rows("jobs") == []
-        assert d.daemon.supervisor.store.raw_rows("sandboxes") == []
+        assert rows(d.daemon.supervisor.store, "jobs") == []
+        assert rows(d.daemon.supervisor.store, "sandboxes") == []
         missing = {k: v for k, v in Chat(RUNTIME).job("hi").items() if k != "member_id"}
         resp = await d.client.post("/v1/jobs", json=missing)
         assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "member_id"
@@ -233,7 +243,7 @@ async def test_oversized_message_is_rejected(fx, tmp_path, sandbox_image) -> Non
     async with running_daemon(settings) as d:
         resp = await d.client.post("/v1/jobs", json=Chat(RUNTIME).job("x" * 1001))
         assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "message"
-        assert d.daemon.supervisor.store.raw_rows("jobs") == []
+        assert rows(d.daemon.supervisor.store, "jobs") == []
 
 
 async def test_idle_processes_retired_and_idle_sandbox_stopped(fx, tmp_path, sandbox_image, docker_client) -> None:

@@ -13,6 +13,7 @@ from sandbox_manager.engine import DockerEngine
 from sandbox_manager.proc_memory import ProcMemory
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
 from state.store import Store
+from tests.support.sandbox import processes
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 
@@ -58,7 +59,7 @@ async def test_group_memory_is_read_from_the_host(sandbox) -> None:
     big_pg = reader.read_pidfile(init_pid, big.pidfile)
     small_pg = reader.read_pidfile(init_pid, small.pidfile)
     assert big_pg and small_pg and big_pg != small_pg
-    procs = await mgr.list_processes(sb.container_id)  # what the sandbox itself says (one exec, test only)
+    procs = await processes(mgr.engine, sb.container_id)  # what the sandbox itself says (one exec)
     assert {p["pgid"] for p in procs if p["comm"] == "node"} == {str(big_pg), str(small_pg)}
     with anyio.fail_after(30):
         while True:  # the child needs a moment to touch its 48 MiB

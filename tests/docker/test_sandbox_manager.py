@@ -21,6 +21,8 @@ from sandbox_manager.sandboxes import (
 )
 from state.records import SandboxState
 from state.store import Store
+from tests.support.sandbox import processes
+from tests.support.store import rows
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 
@@ -34,7 +36,7 @@ def manager(tmp_path, sandbox_image, docker_client):
     created: list[str] = []
     mgr._test_created = created  # type: ignore[attr-defined]
     yield mgr
-    for rec in store.raw_rows("sandboxes"):
+    for rec in rows(store, "sandboxes"):
         try:
             docker_client.api.remove_container(rec["container_id"], force=True)
         except Exception:
@@ -95,14 +97,14 @@ async def test_attached_exec_round_trip_and_group_kill(manager: SandboxManager) 
         await proc.stream.send(b'{"hello": "\xe4\xb8\x96\xe7\x95\x8c"}')
         assert await proc.stream.receive() == b'{"hello": "\xe4\xb8\x96\xe7\x95\x8c"}'
         assert payload
-    procs = await manager.list_processes(sb.container_id)
+    procs = await processes(manager.engine, sb.container_id)
     pg = next(p["pgid"] for p in procs if p["comm"] == "cat")
     assert any(p["comm"] == "sleep" and p["pgid"] == pg for p in procs)
     await manager.kill_group(sb.container_id, pidfile)
     with anyio.fail_after(10):
         while await proc.stream.receive() is not None:
             pass
-    procs = await manager.list_processes(sb.container_id)
+    procs = await processes(manager.engine, sb.container_id)
     assert not [p for p in procs if p["pgid"] == pg], procs
     assert not [p for p in procs if "Z" in p["stat"]], "killed processes must be reaped (init=True)"
     await proc.stream.aclose()

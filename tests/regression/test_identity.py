@@ -14,7 +14,8 @@ CLI's settlement evidence line of that one turn), never by editing the store. Pe
    recorded it before the runner rejected its report).
 4. LIVE turn with the rewrite, the fixture rejects it with a 400 → failed/identity_mismatch,
    a settled failure underneath (``is_error`` true), locator still L.
-5. a job naming another locator → refused, LOST, ``locator_mismatch``: zero fixture
+5. a job naming another locator → refused ``locator_mismatch`` with the member's real status
+   (RESTORED: step 4 retired its process; SPEC 3), the member not condemned: zero fixture
    requests and not one exec in the container.
 6. next turn → RESTORED, succeeded on L, the full history (the rejected query is native
    history; the error itself is not sent back to the model by any pinned CLI).
@@ -184,7 +185,7 @@ async def test_changed_locator_at_settlement_is_rejected(runtime, daemon, fx, re
     refused, _, resp = await d.run(chat.job("this must never reach a model", locator=forged_locator(runtime)))
     t1 = time.time()
     assert resp.status_code == 200
-    assert (refused["context_status"], refused["outcome"], refused["reason"]) == ("LOST", "refused",
+    assert (refused["context_status"], refused["outcome"], refused["reason"]) == ("RESTORED", "refused",
                                                                                   "locator_mismatch")
     assert (refused["locator_before"], refused["locator_after"]) == (saved, saved)
     assert fx.requests(since=mark) == [], "a refused launch must not reach the model"

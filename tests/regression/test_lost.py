@@ -15,7 +15,7 @@ data root changed      the data-root marker volume carries another   ``data_root
 labels tampered        the recorded container is one whose identity  ``labels_mismatch``
                        labels name another chat
 locator missing        the store keeps the settled turns, loses the  ``member_locator_missing``
-                       locator (``Store.erase_locator_for_test``)
+                       locator (``tests.support.store.erase_locator``)
 native state deleted   the CLI's own session state, deleted as       ``native_state_missing``
                        ``agent`` after the resident was retired
 =====================  ============================================  ========================
@@ -45,6 +45,7 @@ from sandbox_manager.sandboxes import LABEL_CHAT, SandboxManager, digest
 from state.records import MemberRecord
 from tests.regression.conftest import regression_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
+from tests.support.store import erase_locator
 
 pytestmark = [pytest.mark.regression, pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -223,7 +224,7 @@ def set_data_root_id(docker_client, ident: str) -> None:
 @pytest.mark.parametrize("runtime", RUNTIMES)
 async def test_member_locator_missing(runtime, daemon, fx) -> None:
     chat, _ = await settled_chat(daemon, fx, runtime)
-    await daemon.daemon.supervisor.store.erase_locator_for_test(chat.user_id, chat.chat_id, chat.member_id)
+    erase_locator(daemon.daemon.supervisor.store, chat.user_id, chat.chat_id, chat.member_id)
     await retire(daemon, chat)
     assert await refused(daemon, fx, chat) == lost("member_locator_missing", None)
     assert await refused(daemon, fx, chat) == lost("previously_lost", None)

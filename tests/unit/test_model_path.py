@@ -17,6 +17,7 @@ from sandbox_manager.sandboxes import container_name, member_key
 from state.receipts import Outcome, Receipt
 from state.records import SavedLocator
 from state.store import MemberOutcome, Store, VerifiedTurn
+from tests.support.store import rows
 
 pytestmark = pytest.mark.anyio
 U, C = "u1", "c1"
@@ -74,10 +75,10 @@ async def test_turns_failures_and_a_summary(path: ModelPath) -> None:
     await request(path, "m1", "j2", [("user", "a"), ("assistant", "ra"), ("user", "b")], None)
     assert (await settle(path, "m1", "j2", "b", Outcome.FAILED))["history"] == "complete"
     # the failed query's text is kept for the next verdict, and cleared by the next success
-    assert [r["failed_text"] for r in path.store.raw_rows("wire_turns")] == [None, "b"]
+    assert [r["failed_text"] for r in rows(path.store, "wire_turns")] == [None, "b"]
     await request(path, "m1", "j3", [("user", "a"), ("assistant", "ra"), ("user", "b"), ("user", "c")], "rc")
     assert (await settle(path, "m1", "j3", "c", Outcome.SUCCEEDED))["history"] == "complete"
-    assert [r["failed_text"] for r in path.store.raw_rows("wire_turns")] == [None, None, None]
+    assert [r["failed_text"] for r in rows(path.store, "wire_turns")] == [None, None, None]
     # a turn whose CLI summarised (a summary request) and rewrote its history: compacted
     await request(path, "m1", "j4", [("user", "a"), ("assistant", "ra"), ("user", "b"), ("user", "c"),
                                      ("assistant", "rc"), ("user", "d")], None)
@@ -88,9 +89,9 @@ async def test_turns_failures_and_a_summary(path: ModelPath) -> None:
     assert wire["first_difference"] == {"index": 0, "role": "user", "expected_digest": d("user", "a")["sha256"],
                                         "observed_digest": d("user", "summary text")["sha256"]}
     # digests in the record, texts only in capture_json
-    rows = path.store.raw_rows("wire_records")
-    assert all("capture" not in json.loads(r["record_json"]) for r in rows)
-    assert json.loads(rows[0]["capture_json"]) == {"request": [{"role": "user", "text": "a"}], "reply": []}
+    records = rows(path.store, "wire_records")
+    assert all("capture" not in json.loads(r["record_json"]) for r in records)
+    assert json.loads(records[0]["capture_json"]) == {"request": [{"role": "user", "text": "a"}], "reply": []}
 
 
 async def test_a_fork_compares_with_its_source_at_the_fork_point(path: ModelPath) -> None:
@@ -113,5 +114,5 @@ async def test_captured_texts_are_purged_after_the_retention(path: ModelPath) ->
     old = (datetime.now(UTC) - timedelta(days=8)).isoformat()
     path.store._db.execute("UPDATE wire_records SET created_at=?", (old,))  # noqa: SLF001 - age the row
     assert await path.purge_capture() == 1
-    (row,) = path.store.raw_rows("wire_records")
+    (row,) = rows(path.store, "wire_records")
     assert row["capture_json"] is None and json.loads(row["record_json"])["digest"] == [d("user", "a")]

@@ -9,6 +9,7 @@ import pytest
 from state.migrations import MIGRATIONS
 from state.records import JobState
 from state.store import SavedLocator, Store
+from tests.support.store import rows
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +27,7 @@ async def test_migrations_are_versioned_and_idempotent(tmp_path) -> None:
     s.close()
     again = Store(tmp_path / "s.db")  # re-opening applies nothing twice
     assert again.schema_version == len(MIGRATIONS)
-    assert again.raw_rows("members") == []
+    assert rows(again, "members") == []
     again.close()
     db = sqlite3.connect(tmp_path / "s.db")
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

@@ -16,6 +16,7 @@ from state.migrations import MIGRATIONS
 from state.postgres import PostgresStore
 from state.records import JobState, SandboxRecord, SandboxState, SavedLocator
 from state.store import Store
+from tests.support.store import rows
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -67,7 +68,7 @@ async def test_both_backends_implement_the_contract(store: StoreContract) -> Non
 async def test_migrations_apply_once(store: StoreContract, tmp_path) -> None:
     again = await second_handle(store, tmp_path)  # re-opening applies nothing twice
     assert again.schema_version == len(MIGRATIONS)
-    assert again.raw_rows("members") == []
+    assert rows(again, "members") == []
     await again.aclose()
 
 
@@ -100,7 +101,7 @@ async def test_many_concurrent_claims_of_one_job_admit_exactly_one(store: StoreC
     for h in handles[1:]:
         await h.aclose()
     assert sorted(kinds) == ["claimed"] + ["running"] * 31
-    assert len(store.raw_rows("jobs")) == 1
+    assert len(rows(store, "jobs")) == 1
 
 
 async def test_concurrent_commits_of_one_job_commit_once(store: StoreContract, tmp_path) -> None:
@@ -184,7 +185,7 @@ async def test_failed_commit_leaves_nothing(store: StoreContract) -> None:
         await store.finish_job("u", "missing", "{}", verified("X"))
     m = await store.get_member("u", "c", "m")
     assert (m.locator, m.settled_turns) == (None, 0)
-    assert [r["state"] for r in store.raw_rows("jobs")] == ["running"]
+    assert [r["state"] for r in rows(store, "jobs")] == ["running"]
 
 
 async def test_lost_is_sticky_and_first_reason_wins(store: StoreContract) -> None:
@@ -272,7 +273,7 @@ async def test_concurrent_first_jobs_agree_on_one_owner(store: StoreContract, tm
     for h in handles[1:]:
         await h.aclose()
     assert len(seen) == 24 and len(set(seen)) == 1
-    assert len([r for r in store.raw_rows("placements") if r["chat_id"] == "contested"]) == 1
+    assert len([r for r in rows(store, "placements") if r["chat_id"] == "contested"]) == 1
 
 
 async def test_a_bound_store_claims_and_commits_only_with_a_live_lease(store: StoreContract) -> None:
@@ -289,7 +290,7 @@ async def test_a_bound_store_claims_and_commits_only_with_a_live_lease(store: St
         await store.claim_job("j2", "u", "c", "m", "d", "o")
     m = await store.get_member("u", "c", "m")
     assert (m.locator, m.settled_turns) == (None, 0)  # the late commit wrote nothing
-    assert [(r["job_id"], r["state"]) for r in store.raw_rows("jobs")] == [("j1", "running")]
+    assert [(r["job_id"], r["state"]) for r in rows(store, "jobs")] == [("j1", "running")]
     # a live host closes the orphan; the fenced one can never commit it afterwards
     assert await store.close_orphaned_job("u", "j1", '{"closed": "host_lost"}') is True
     assert await store.close_orphaned_job("u", "j1", '{"again": 1}') is False
@@ -377,7 +378,7 @@ async def test_postgres_outage_is_store_unavailable_and_short_ones_are_ridden_ou
             await anyio.to_thread.run_sync(pg.start)
         assert [m.member_id for m in seen] == ["m"]
         assert (await impatient.claim_job("j", "u", "c", "m", "d", "o")).kind == "claimed"
-        assert [r["job_id"] for r in patient.raw_rows("jobs")] == ["j"]
+        assert [r["job_id"] for r in rows(patient, "jobs")] == ["j"]
     finally:
         if not (pg.root / "data" / "postmaster.pid").exists():
             await anyio.to_thread.run_sync(pg.start)
@@ -428,7 +429,7 @@ async def _chat_with_everything(store: StoreContract, user: str, chat: str, text
 
 
 def _rows_of(store: StoreContract, user: str) -> dict[str, int]:
-    return {t: sum(1 for r in store.raw_rows(t) if r["user_id"] == user)
+    return {t: sum(1 for r in rows(store, t) if r["user_id"] == user)
             for t in ("sandboxes", "members", "wire_records", "wire_turns", "placements")}
 
 
@@ -445,7 +446,7 @@ async def test_delete_chat_keeps_tombstones_only_and_touches_no_other_chat(store
     assert (done.tombstoned, done.removed) == (1, 5)
     assert _rows_of(store, "u1") == {"sandboxes": 0, "members": 0, "wire_records": 0, "wire_turns": 0,
                                      "placements": 0}
-    assert "secret reply one" not in repr([store.raw_rows(t) for t in ("jobs", "wire_records", "wire_turns")])
+    assert "secret reply one" not in repr([rows(store, t) for t in ("jobs", "wire_records", "wire_turns")])
     rec = await store.get_job("u1", "j-u1")
     assert rec is not None and rec.deleted_at is not None and rec.state == JobState.DONE
     tomb = Receipt.model_validate_json(rec.receipt_json)

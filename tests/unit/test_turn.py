@@ -1,0 +1,389 @@
+"""The turn state machine (runner/turn.py) with a fake driver, a fake engine and the real SQLite
+store and sandbox manager: the NEW / LIVE / RESTORED / LOST decision, identity at settlement,
+the retire rules, refusal stickiness and handshake failures (SPEC 3-5, 8)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+from pydantic import SecretStr
+
+from drivers.base import Driver, Launch, discard
+from drivers.launch import LaunchSpec
+from drivers.models import (
+    FailureReason,
+    GatewayConfig,
+    HandshakeFailed,
+    HandshakeReason,
+    Locator,
+    MemberPaths,
+    NotSettled,
+    NotSettledReason,
+    Settlement,
+    TurnOutcome,
+)
+from drivers.session import NativeSession, Tracker, TurnStart
+from drivers.transport import Transport
+from runner.residents import ResidentPool
+from runner.turn import TestHooks as Hooks  # not collected as a test class
+from runner.turn import TurnRunner
+from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from state.jobs import Job
+from state.receipts import Receipt
+from state.records import MemberRecord
+from state.store import Store
+from tests.support.fake_engine import IMAGE, FakeEngine
+from tests.support.store import erase_locator
+
+pytestmark = pytest.mark.anyio
+
+KEY = ("u1", "c1", "m1")
+Turn = Callable[["FakeSession"], TurnOutcome]
+
+
+@dataclass
+class Script:
+    """What the fake CLI does: one handshake result per launch, one outcome per turn."""
+
+    handshakes: list[HandshakeFailed | str | None] = field(default_factory=list)  # "hang": never answers
+    turns: list[Turn] = field(default_factory=list)
+    launches: list[Launch] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # every message that reached a CLI
+    minted: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+
+class FakeSession(NativeSession):
+    """A session the runner drives through its own contract (handshake, run_turn, close, the
+    locators): the turn template's CLI parts are not used (drivers have their own tiers)."""
+
+    runtime = "codex"
+
+    def __init__(self, transport: Transport, launch: Launch, script: Script) -> None:
+        super().__init__(transport, launch)
+        self.script = script
+
+    async def open(self) -> None:
+        raise NotImplementedError("FakeSession.handshake replaces the template")
+
+    def turn_start(self) -> TurnStart:
+        raise NotImplementedError("FakeSession.run_turn replaces the template")
+
+    def tracker(self, start: TurnStart) -> Tracker:
+        raise NotImplementedError("FakeSession.run_turn replaces the template")
+
+    async def handshake(self) -> None:
+        step = self.script.handshakes.pop(0) if self.script.handshakes else None
+        if step == "hang":
+            await anyio.sleep_forever()
+        if isinstance(step, HandshakeFailed):
+            raise step
+        if not self.launch.resume:
+            self.expected = Locator(id=f"minted-{next(self.script.minted)}")  # the CLI mints its id
+        self.cli_version = "fake-cli 1.0"
+
+    async def run_turn(self, message: str, *, emit=discard, timeout_s: float = 600.0) -> TurnOutcome:
+        self.script.messages.append(message)
+        return self.script.turns.pop(0)(self)
+
+
+class FakeDriver(Driver):
+    runtime = "codex"
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+
+    def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
+        launch = Launch(spec=LaunchSpec(runtime="codex", argv=["fake-cli"], cwd=paths.workspace), expected=resume,
+                        resume=resume is not None)
+        self.script.launches.append(launch)
+        return launch
+
+    def session(self, transport: Transport, launch: Launch) -> NativeSession:
+        return FakeSession(transport, launch, self.script)
+
+
+def settled(*, is_error: bool = False, locator: str | None = None, retire_after: bool = False) -> Turn:
+    """A settled turn reporting the session's own id (or ``locator``)."""
+
+    def turn(s: FakeSession) -> TurnOutcome:
+        own = s.locator or s.expected
+        observed = Locator(id=locator) if locator else own
+        return Settlement(evidence="fake:done", is_error=is_error, observed_locator=observed,
+                          reason=FailureReason.API_ERROR if is_error else None, assistant_text="a reply",
+                          retire_after=retire_after)
+
+    return turn
+
+
+def not_settled(reason: NotSettledReason = NotSettledReason.TIMEOUT) -> Turn:
+    return lambda s: NotSettled(reason=reason, detail="fake", assistant_text="partial")
+
+
+@dataclass
+class Rig:
+    store: Store
+    engine: FakeEngine
+    pool: ResidentPool
+    runner: TurnRunner
+    script: Script
+    events: list[dict[str, Any]] = field(default_factory=list)
+    jobs: itertools.count = field(default_factory=itertools.count)
+
+    async def run(self, message: str = "hello", *, runtime: str = "codex", **extra: Any) -> Receipt:
+        job = Job(job_id=f"job-{next(self.jobs)}", user_id=KEY[0], chat_id=KEY[1], member_id=KEY[2], runtime=runtime,
+                  message=message, **extra)
+        claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(), "me")
+        assert claim.kind == "claimed"
+        receipt = await self.runner.execute(job, self.events.append)
+        stored = await self.store.get_job(job.user_id, job.job_id)
+        assert stored is not None and Receipt.model_validate_json(stored.receipt_json or "{}") == receipt
+        return receipt
+
+    async def member(self) -> MemberRecord:
+        m = await self.store.get_member(*KEY)
+        assert m is not None
+        return m
+
+    @property
+    def resident(self) -> bool:
+        return self.pool.is_resident(KEY)
+
+
+def outcome(r: Receipt) -> tuple[str | None, str, str | None]:
+    return (r.context_status.value if r.context_status else None, r.outcome.value, r.reason)
+
+
+def make_rig(tmp_path, **hooks: Any) -> Rig:
+    store = Store(tmp_path / "store.db")
+    engine = FakeEngine()
+    manager = SandboxManager(engine, store, SandboxConfig(image=IMAGE, network="none", host_id="host-t"))  # type: ignore[arg-type]
+    pool = ResidentPool(grace_s=0.1)
+    script = Script()
+    runner = TurnRunner(store=store, manager=manager, pool=pool, gateway_url="http://127.0.0.1:9",
+                        gateway_key=SecretStr("k"), models={"codex": "m", "pi": "m"}, turn_timeout_s=5,
+                        handshake_timeout_s=0.5, hooks=Hooks(**hooks), drivers=lambda runtime, options: FakeDriver(script))
+    return Rig(store=store, engine=engine, pool=pool, runner=runner, script=script)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = make_rig(tmp_path)
+    yield r
+    r.store.close()
+
+
+# -- the status decision ----------------------------------------------------------------------------
+
+
+async def test_new_then_live_then_restored_after_retire(rig: Rig) -> None:
+    rig.script.turns = [settled(), settled(), settled()]
+    first = await rig.run("one")
+    assert outcome(first) == ("NEW", "succeeded", None)
+    assert (first.locator_before, first.locator_after, first.cli_version) == (None, "minted-1", "fake-cli 1.0")
+    assert rig.events[0] == {"type": "status", "context_status": "NEW"}
+    second = await rig.run("two")
+    assert outcome(second) == ("LIVE", "succeeded", None)
+    assert (second.locator_before, second.locator_after) == ("minted-1", "minted-1")
+    assert len(rig.script.launches) == 1, "a LIVE turn reuses the resident process"
+    await rig.pool.retire(KEY, "test")
+    third = await rig.run("three")
+    assert outcome(third) == ("RESTORED", "succeeded", None)
+    assert [(x.resume, x.expected) for x in rig.script.launches] == [(False, None), (True, Locator(id="minted-1"))]
+    m = await rig.member()
+    assert (m.locator.id if m.locator else None, m.settled_turns, m.last_status) == ("minted-1", 3, "RESTORED")
+    assert rig.script.messages == ["one", "two", "three"], "messages reach the CLI unchanged"
+
+
+async def test_a_dead_resident_is_replaced_and_restored(rig: Rig) -> None:
+    rig.script.turns = [settled(), settled()]
+    await rig.run()
+    rig.engine.streams[0].closed = True  # the process died between turns
+    again = await rig.run()
+    assert outcome(again) == ("RESTORED", "succeeded", None)
+    assert len(rig.script.launches) == 2
+
+
+async def test_a_lost_container_is_refused_and_the_member_stays_lost(rig: Rig) -> None:
+    rig.script.turns = [settled()]
+    first = await rig.run()
+    await rig.engine.remove(first.sandbox.container_id)
+    lost = await rig.run("never sent")
+    assert outcome(lost) == ("LOST", "refused", "container_missing")
+    assert lost.locator_after == first.locator_after
+    assert (await rig.member()).lost_reason == "container_missing"
+    assert not rig.resident
+    again = await rig.run("never sent either")
+    assert outcome(again) == ("LOST", "refused", "previously_lost")
+    assert rig.script.messages == ["hello"] and len(rig.script.launches) == 1
+
+
+async def test_settled_turns_without_a_locator_are_lost(rig: Rig) -> None:
+    rig.script.turns = [settled()]
+    await rig.run()
+    await rig.pool.retire(KEY, "test")
+    erase_locator(rig.store, *KEY)
+    refused = await rig.run("never sent")
+    assert outcome(refused) == ("LOST", "refused", "member_locator_missing")
+    assert (await rig.member()).lost_reason == "member_locator_missing"
+    assert rig.script.messages == ["hello"]
+
+
+async def test_another_runtime_for_the_member_is_refused_without_condemning_it(rig: Rig) -> None:
+    rig.script.turns = [settled(), settled()]
+    await rig.run()
+    refused = await rig.run(runtime="pi")
+    assert outcome(refused) == (None, "refused", "runtime_mismatch")
+    assert (await rig.member()).lost_reason is None
+    assert outcome(await rig.run()) == ("LIVE", "succeeded", None)
+
+
+# -- a job naming a locator (SPEC 3: refused, with the member's real status) -------------------------
+
+
+async def test_locator_mismatch_carries_the_real_status_and_is_not_sticky(rig: Rig) -> None:
+    fresh = await rig.run("never sent", locator="someone-else")
+    assert outcome(fresh) == ("NEW", "refused", "locator_mismatch")
+    assert "create" not in rig.engine.calls, "a refused job creates no sandbox"
+    rig.script.turns = [settled(), settled(), settled(), settled()]
+    await rig.run("one")
+    live = await rig.run("never sent", locator="someone-else")
+    assert outcome(live) == ("LIVE", "refused", "locator_mismatch")
+    assert (live.locator_before, live.locator_after) == ("minted-1", "minted-1")
+    assert rig.resident, "the refusal leaves the resident process alone"
+    assert outcome(await rig.run("two")) == ("LIVE", "succeeded", None)
+    await rig.pool.retire(KEY, "test")
+    restored = await rig.run("never sent", locator="someone-else")
+    assert outcome(restored) == ("RESTORED", "refused", "locator_mismatch")
+    m = await rig.member()
+    assert (m.lost_reason, m.locator.id if m.locator else None, m.settled_turns) == (None, "minted-1", 2)
+    assert outcome(await rig.run("three", locator="minted-1")) == ("RESTORED", "succeeded", None)
+    assert outcome(await rig.run("four")) == ("LIVE", "succeeded", None)
+    assert rig.script.messages == ["one", "two", "three", "four"]
+
+
+async def test_locator_mismatch_on_a_lost_member_reports_lost(rig: Rig) -> None:
+    rig.script.turns = [settled()]
+    first = await rig.run()
+    await rig.engine.remove(first.sandbox.container_id)
+    assert outcome(await rig.run()) == ("LOST", "refused", "container_missing")
+    named = await rig.run(locator="someone-else")
+    assert outcome(named) == ("LOST", "refused", "locator_mismatch")
+
+
+# -- identity at settlement -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_error", [False, True])
+async def test_a_settled_turn_reporting_another_session_fails_and_keeps_the_locator(rig: Rig, is_error) -> None:
+    rig.script.turns = [settled(), settled(is_error=is_error, locator="forged"), settled()]
+    await rig.run()
+    bad = await rig.run("two")
+    assert outcome(bad) == ("LIVE", "failed", "identity_mismatch")
+    assert (bad.locator_before, bad.locator_after, bad.settlement.is_error) == ("minted-1", "minted-1", is_error)
+    assert bad.settlement.detail == f"expected {Locator(id='minted-1')}, CLI reported {Locator(id='forged')}"
+    m = await rig.member()
+    assert (m.locator.id if m.locator else None, m.settled_turns) == ("minted-1", 1)
+    assert not rig.resident, "a process that reported another session is retired"
+    again = await rig.run("three")
+    assert outcome(again) == ("RESTORED", "succeeded", None)
+    assert rig.script.launches[-1].expected == Locator(id="minted-1")
+
+
+async def test_a_new_turn_reporting_another_id_than_its_handshake_saves_nothing(rig: Rig) -> None:
+    rig.script.turns = [settled(locator="forged"), settled()]
+    bad = await rig.run()
+    assert outcome(bad) == ("NEW", "failed", "identity_mismatch")
+    m = await rig.member()
+    assert (m.locator, m.settled_turns) == (None, 0)
+    assert outcome(await rig.run()) == ("NEW", "succeeded", None)
+    assert (await rig.member()).locator.id == "minted-2"  # type: ignore[union-attr]
+
+
+async def test_a_settled_failure_on_the_right_session_counts_and_stays_resident(rig: Rig) -> None:
+    rig.script.turns = [settled(), settled(is_error=True), settled()]
+    await rig.run()
+    failed = await rig.run()
+    assert outcome(failed) == ("LIVE", "failed", "api_error")
+    assert rig.resident
+    assert (await rig.member()).settled_turns == 2
+    assert outcome(await rig.run()) == ("LIVE", "succeeded", None)
+
+
+# -- retire rules -----------------------------------------------------------------------------------
+
+
+async def test_a_turn_that_does_not_settle_retires_the_process_and_keeps_the_locator(rig: Rig) -> None:
+    rig.script.turns = [settled(), not_settled(), settled()]
+    await rig.run()
+    ns = await rig.run("two")
+    assert outcome(ns) == ("LIVE", "not_settled", "timeout")
+    assert (ns.assistant_text, ns.locator_after) == ("partial", "minted-1")
+    assert not rig.resident
+    m = await rig.member()
+    assert (m.locator.id if m.locator else None, m.settled_turns, m.last_outcome) == ("minted-1", 1, "not_settled")
+    assert outcome(await rig.run("three")) == ("RESTORED", "succeeded", None)
+
+
+async def test_retire_after_saves_the_locator_then_retires(rig: Rig) -> None:
+    rig.script.turns = [settled(), settled(retire_after=True), settled()]
+    await rig.run()
+    flagged = await rig.run()
+    assert outcome(flagged) == ("LIVE", "succeeded", None)
+    assert not rig.resident
+    assert (await rig.member()).settled_turns == 2
+    assert outcome(await rig.run()) == ("RESTORED", "succeeded", None)
+
+
+async def test_retire_after_can_be_disabled_by_the_test_hook(tmp_path) -> None:
+    rig = make_rig(tmp_path, disable_retire_after=True)
+    rig.script.turns = [settled(retire_after=True), settled()]
+    await rig.run()
+    assert rig.resident
+    assert outcome(await rig.run()) == ("LIVE", "succeeded", None)
+    rig.store.close()
+
+
+# -- handshakes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reason", [HandshakeReason.LOCATOR_MISMATCH, HandshakeReason.NATIVE_STATE_MISSING])
+async def test_a_resume_handshake_reporting_another_session_or_no_state_is_lost(rig: Rig, reason) -> None:
+    rig.script.turns = [settled()]
+    await rig.run("one")
+    await rig.pool.retire(KEY, "test")
+    rig.script.handshakes = [HandshakeFailed(reason, "the CLI resumed ses-other")]
+    lost = await rig.run("never sent")
+    assert outcome(lost) == ("LOST", "refused", reason.value)
+    assert rig.script.messages == ["one"], "the message never reaches a CLI after a failed handshake"
+    assert not rig.resident
+    assert (await rig.member()).lost_reason == reason.value
+    assert outcome(await rig.run("never sent either")) == ("LOST", "refused", "previously_lost")
+    assert len(rig.script.launches) == 2
+
+
+async def test_a_process_failing_its_handshake_is_not_settled_not_lost(rig: Rig) -> None:
+    rig.script.handshakes = [HandshakeFailed(HandshakeReason.PROCESS_FAILED, "died")]
+    rig.script.turns = [settled(), settled()]
+    ns = await rig.run("never sent")
+    assert outcome(ns) == ("NEW", "not_settled", "handshake_process_failed")
+    assert outcome(await rig.run("one")) == ("NEW", "succeeded", None)
+    await rig.pool.retire(KEY, "test")
+    rig.script.handshakes = [HandshakeFailed(HandshakeReason.PROCESS_FAILED, "died")]
+    ns = await rig.run("never sent")
+    assert outcome(ns) == ("RESTORED", "not_settled", "handshake_process_failed")
+    assert (await rig.member()).lost_reason is None
+    assert outcome(await rig.run("two")) == ("RESTORED", "succeeded", None)
+    assert rig.script.messages == ["one", "two"]
+
+
+async def test_a_handshake_that_never_answers_times_out(rig: Rig) -> None:
+    rig.script.handshakes = ["hang"]
+    ns = await rig.run("never sent")
+    assert (ns.outcome.value, ns.reason, ns.settlement.detail) == ("not_settled", "handshake_timeout",
+                                                                   "no handshake within 0.5s")
+    assert not rig.resident and rig.script.messages == []

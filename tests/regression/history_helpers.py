@@ -18,6 +18,7 @@ from typing import Any
 
 from deploy.loopback import LoopbackFixture, Message, RecordedRequest, compare_history, default_reply, user_texts
 from tests.daemon_harness import RunningDaemon
+from tests.regression.supervisor_text import SentFrame, assert_annotations_are_the_clis, assert_wire_adds_nothing
 from tests.supervisor_helpers import high_water
 
 # HEAD preconnects (Claude's ``HEAD /api/hello``) are not model requests.
@@ -36,6 +37,7 @@ class TurnResult:
     events: list[dict[str, Any]]
     requests: list[RecordedRequest]
     seconds: float
+    sent: list[SentFrame] = field(default_factory=list)  # every line the supervisor wrote to the CLI
 
     @property
     def conversation(self) -> list[RecordedRequest]:
@@ -92,18 +94,23 @@ class Member:
         return {"job_id": f"job-{uuid.uuid4().hex}", "user_id": self.user_id, "chat_id": self.chat_id,
                 "member_id": self.member_id, "runtime": self.runtime, "message": message}
 
-    async def send(self, message: str) -> TurnResult:
+    async def send(self, message: str, *, check_added_nothing: bool = True) -> TurnResult:
+        """Run one job; every turn is held to SPEC 9.1's "the supervisor adds nothing" (the wire
+        to the CLI and the annotations the model saw) unless a test checks that itself."""
         mark = high_water(self.fx)
+        wire_mark = self.d.wire.mark
         t0 = time.monotonic()
         receipt, events, resp = await self.d.run(self.job(message))
         seconds = time.monotonic() - t0
         assert resp.status_code == 200 and receipt is not None, (resp.status_code, events)
         requests = [r for r in self.fx.requests() if r.seq > mark]
-        turn = TurnResult(message, receipt, events, requests, seconds)
+        turn = TurnResult(message, receipt, events, requests, seconds, self.d.wire.since(wire_mark))
         if not turn.conversation:
             # the fixture saw no conversational request of this turn: neither did the proxy
             assert_wire(turn, "none", self.runtime)
         self.turns.append(turn)
+        if check_added_nothing:
+            assert_added_nothing(turn, self.runtime)
         return turn
 
     def first_on_the_wire(self, t: TurnResult) -> bool:
@@ -144,10 +151,13 @@ class Member:
         return t
 
     async def failed_turn(self, message: str, status: str, reason: str, *, kinds: dict[str, int] | None = None,
-                          statuses: list[int] | None = None) -> TurnResult:
+                          statuses: list[int] | None = None,
+                          checked_apart: frozenset[int] = frozenset()) -> TurnResult:
         """A turn the model API rejects: a settled failure that keeps the locator.
 
-        Its first conversational request must carry ``history + [message]``; ``history`` is
+        Every conversational request of the turn (the CLI's own retries too) must carry
+        ``history + [message]``, except those whose indexes are in ``checked_apart``: the caller
+        checks those itself (a CLI's compaction retry carries a summary instead). ``history`` is
         NOT extended (what the CLI keeps of a failed turn differs per CLI: the caller says).
         """
         t = await self.send(message)
@@ -159,7 +169,7 @@ class Member:
         assert t.kinds() == (kinds or {"conversation": 1}), ctx
         assert t.statuses() == (statuses or [400]), ctx
         expected = [*self.history, Message.user(message)]
-        assert_requests(t, expected, self.runtime, which=slice(0, 1))
+        assert_failed_requests(t, expected, self.runtime, checked_apart)
         assert_wire(t, self.fixture_verdict(t, expected), self.runtime, difference=None)
         return t
 
@@ -202,6 +212,13 @@ def assert_wire(t: TurnResult, history: str, runtime: str, *, difference: bool |
     assert wire["side_requests"] >= len(model) - len(t.conversation), ctx
 
 
+def assert_added_nothing(t: TurnResult, runtime: str) -> None:
+    """SPEC 9.1: nothing but the user's message went to the CLI, and the model saw no annotation
+    the pinned CLI does not add itself (tests/regression/allowed_injections.py)."""
+    assert_wire_adds_nothing(t.sent, [t.message])
+    assert_annotations_are_the_clis([r for r in t.requests if r.kind not in NOT_MODEL], runtime)
+
+
 def assert_requests(t: TurnResult, expected: list[Message], runtime: str, *, which: slice = slice(None),
                     transform: Callable[[list[Message]], list[Message]] | None = None) -> None:
     """Every conversational request of the turn (or those selected by ``which``) carries
@@ -219,6 +236,17 @@ def assert_requests(t: TurnResult, expected: list[Message], runtime: str, *, whi
         if not diff.ok:
             raise AssertionError(f"[{runtime}] conversational request {i + 1}/{len(t.conversation)} "
                                  f"(seq {req.seq}) of turn {t.message!r}:\n{diff}\n--- the turn:\n{t.describe()}")
+
+
+def assert_failed_requests(t: TurnResult, expected: list[Message], runtime: str,
+                           checked_apart: frozenset[int] = frozenset()) -> None:
+    """Every conversational request of a failed turn but those in ``checked_apart`` carries
+    exactly ``expected``; an index in ``checked_apart`` must exist (nothing is skipped by accident)."""
+    assert all(0 <= i < len(t.conversation) for i in checked_apart), \
+        f"[{runtime}] checked_apart {sorted(checked_apart)} of {len(t.conversation)} requests\n{t.describe()}"
+    for i in range(len(t.conversation)):
+        if i not in checked_apart:
+            assert_requests(t, expected, runtime, which=slice(i, i + 1))
 
 
 # ---------------------------------------------------------------- compaction summaries

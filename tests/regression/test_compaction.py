@@ -57,11 +57,14 @@ def summary_of(t: TurnResult) -> str:
     return summaries[0]
 
 
-async def refuse(m: Member, fx, kinds: dict[str, int]) -> tuple[str, TurnResult]:
+async def refuse(m: Member, fx, kinds: dict[str, int],
+                 checked_apart: frozenset[int] = frozenset()) -> tuple[str, TurnResult]:
+    """A context-window refusal; every conversational request carries the history, except the
+    ones in ``checked_apart`` (a compaction retry: the caller checks its summary)."""
     huge = f"Huge input ({token('huge')})."
     fx.add_rule(context_too_long(match=f"^{re.escape(huge)}$", regex=True))
     refused = await m.failed_turn(huge, "LIVE", "context_too_long", kinds=kinds,
-                                  statuses=[400] * kinds["conversation"])
+                                  statuses=[400] * kinds["conversation"], checked_apart=checked_apart)
     return huge, refused
 
 
@@ -121,7 +124,7 @@ async def test_compaction_on_is_visible_and_reported(runtime: str, daemon_on: Ru
     elif runtime == "claude":
         # reactive compaction inside the refused turn: conversation 400, summary, the retried
         # conversation 400 on [summary, the last reply, the refused prompt]
-        huge, refused = await refuse(m, fx, {"conversation": 2, "summary": 1})
+        huge, refused = await refuse(m, fx, {"conversation": 2, "summary": 1}, checked_apart=frozenset({1}))
         assert reported_compacted(refused), refused.describe()
         s = summary_marker(summary_of(refused))
         kept = [Message.user(s), before[-1]]
@@ -129,7 +132,7 @@ async def test_compaction_on_is_visible_and_reported(runtime: str, daemon_on: Ru
         await m.turn(follow, "LIVE", expected=[*kept, Message.user(huge + "\n" + follow)], transform=mark)
     elif runtime == "pi":
         # overflow recovery inside the refused turn: a summary, then the prompt re-run on it
-        huge, refused = await refuse(m, fx, {"conversation": 2, "summary": 1})
+        huge, refused = await refuse(m, fx, {"conversation": 2, "summary": 1}, checked_apart=frozenset({1}))
         assert reported_compacted(refused), refused.describe()
         s = summary_marker(summary_of(refused))
         assert_requests(refused, [Message.user(s), *before, Message.user(huge)], runtime, which=slice(1, 2),

@@ -67,6 +67,7 @@ class RunningDaemon:
     daemon: Daemon
     url: str
     client: httpx.AsyncClient
+    wire: Any = None  # the regression suites' WireRecorder (tests/regression/supervisor_text.py)
 
     async def run(self, job: dict[str, Any]) -> tuple[dict[str, Any] | None, list[dict[str, Any]], httpx.Response]:
         """POST a job; return (receipt, events, response)."""
@@ -154,12 +155,14 @@ def serve_process(env: dict[str, str], port: int, log_path: Path, *,
 
 
 @contextmanager
-def daemon_process(home: Path, gateway_url: str, image: str, *, port: int | None = None) -> Iterator[DaemonProcess]:
+def daemon_process(home: Path, gateway_url: str, image: str, *, port: int | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[DaemonProcess]:
+    """``env``: more settings (e.g. ``CLOUD_AGENT_TURN_TIMEOUT_S``) on top of the test defaults."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     (home / "token").write_text(TOKEN + "\n")
     env = dict(os.environ, CLOUD_AGENT_HOME=str(home), CLOUD_AGENT_GATEWAY_URL=gateway_url, CLOUD_AGENT_IMAGE=image,
                CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"), CLOUD_AGENT_SOCKET_DIR=test_socket_dir(home),
-               CLOUD_AGENT_HOST_ID=test_host_id(home), CLOUD_AGENT_LISTEN_PORT=str(port))
+               CLOUD_AGENT_HOST_ID=test_host_id(home), CLOUD_AGENT_LISTEN_PORT=str(port)) | (env or {})
     with serve_process(env, port, home / f"daemon-{port}.log") as dp:
         yield dp

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from deploy.loopback import LoopbackFixture, reject
+from deploy.loopback import LoopbackFixture, reject, stall
 from tests.daemon_harness import TOKEN, daemon_process
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker]
@@ -59,3 +59,27 @@ def test_exit_codes_and_json(tmp_path, sandbox_image) -> None:
         assert denied.returncode == 1 and "HTTP 401" in denied.stderr
         attest = json.loads(cli(dp.url, token, "attest").stdout)
         assert attest["required_helper"] == {"name": "http-agent-live-bridge", "version": 4}
+
+
+def test_a_turn_that_does_not_settle_exits_4(tmp_path, sandbox_image) -> None:
+    """The turn is held in the fixture past the daemon's turn timeout: not_settled, exit code 4."""
+    home = tmp_path / "home"
+    with LoopbackFixture.start() as fx, daemon_process(home, fx.base_url, sandbox_image,
+                                                       env={"CLOUD_AGENT_TURN_TIMEOUT_S": "3"}) as dp:
+        token = str(home / "token")
+        base = ["run", "--user", "u1", "--chat", "c1", "--member", "m1", "--runtime", "codex"]
+        assert cli(dp.url, token, *base, "hello").returncode == 0
+        fx.add_rule(stall(600, match="please hang", id="hang"))
+        try:
+            hung = cli(dp.url, token, *base, "please hang")
+            as_json = cli(dp.url, token, *base, "--json", "please hang again")
+        finally:
+            fx.release_stalls()
+        assert hung.returncode == 4, hung.stderr
+        for line in ("context     LIVE", "outcome     not_settled", "reason      timeout"):
+            assert line in hung.stderr.splitlines(), hung.stderr
+        assert as_json.returncode == 4, as_json.stderr
+        receipt = json.loads(as_json.stdout.strip().splitlines()[-1])["receipt"]
+        assert (receipt["context_status"], receipt["outcome"], receipt["reason"]) == ("RESTORED", "not_settled",
+                                                                                     "timeout")
+        assert [r.rule for r in fx.requests(kind="conversation")] == [None, "hang", "hang"]

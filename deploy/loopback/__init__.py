@@ -7,6 +7,7 @@ of rules; a recorder; and an audit that turns recorded requests into comparable 
 from .audit import (
     JOINER,
     HistoryDiff,
+    annotations,
     assert_history,
     classify,
     compare_history,
@@ -24,7 +25,7 @@ from .server import LoopbackFixture
 
 __all__ = [
     "JOINER", "TITLE_REPLY", "FixtureClient", "HistoryDiff", "LoopbackFixture", "Message", "RecordedRequest",
-    "Rule", "Script", "assert_history", "classify", "compare_history", "context_too_long", "conversation", "cut",
+    "Rule", "Script", "annotations", "assert_history", "classify", "compare_history", "context_too_long", "conversation", "cut",
     "default_reply", "dialogue", "error_body", "expected_default_reply", "fail", "load_jsonl", "recall", "reject",
     "reply", "safe_headers", "shell_call", "stall", "strip_annotations", "summary_reply", "tool_call", "user_texts",
 ]

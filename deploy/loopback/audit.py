@@ -231,6 +231,33 @@ def conversation(body: dict[str, Any] | None, api: str) -> list[Message]:
     return []
 
 
+def annotations(body: dict[str, Any] | None, api: str) -> list[str]:
+    """The user-role text :func:`conversation` strips as CLI annotations, in request order: each
+    ``<system-reminder>`` block, ``<environment_details>`` suffix and Codex context message.
+
+    What the audit does not compare must still be accounted for: SPEC 9.1's "the supervisor adds
+    nothing" check matches every piece against the annotations each pinned CLI is known to add.
+    """
+    if not isinstance(body, dict):
+        return []
+    items = body.get("input" if api == "responses" else "messages")
+    if not isinstance(items, list):
+        return []
+    out: list[str] = []
+    for msg in items:
+        if not isinstance(msg, dict) or msg.get("role") != "user" or msg.get("type", "message") != "message":
+            continue
+        for text in _content_texts(msg.get("content")):
+            if api == "responses" and _is_codex_context(text):
+                out.append(text)
+                continue
+            out.extend(_REMINDER.findall(text))
+            details = _ENV_DETAILS.search(_REMINDER.sub("", text)) if "<environment_details>" in text else None
+            if details is not None:
+                out.append(details.group(0))
+    return out
+
+
 def dialogue(messages: Iterable[Message]) -> list[Message]:
     """Only the user and assistant entries (what history regressions compare)."""
     return [m for m in messages if m.role in ("user", "assistant")]

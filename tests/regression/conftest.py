@@ -26,15 +26,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from deploy.loopback import LoopbackFixture
+from drivers.transport import Transport
 from runner.turn import TestHooks
 from sandbox_manager.sandboxes import LABEL_HOST
 from tests.daemon_harness import RunningDaemon, daemon_settings, running_daemon
+from tests.regression.supervisor_text import WireRecorder
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +64,25 @@ def remove_host_containers(docker_client: Any, host_id: str) -> None:
 @asynccontextmanager
 async def regression_daemon(fx: LoopbackFixture, image: str, docker_client: Any, base: Path, *,
                             hooks: TestHooks | None = None, **overrides: Any) -> AsyncIterator[RunningDaemon]:
-    """A real daemon on ``fx`` with its own home under ``base``; its containers removed after."""
+    """A real daemon on ``fx`` with its own home under ``base``; its containers removed after.
+
+    Every CLI's transport is recorded (``d.wire``, a :class:`WireRecorder` innermost, under any
+    ``hooks.wrap_transport``) for the "supervisor adds nothing" check.
+    """
     home = base / f"home-{uuid.uuid4().hex[:10]}"
     settings = daemon_settings(home, fx.base_url, image, **overrides)
     host_id = settings.resolved_host_id()
+    wire = WireRecorder()
+    hooks = hooks or TestHooks()
+    outer = hooks.wrap_transport
+
+    def wrap(transport: Transport, runtime: str) -> Transport:
+        recorded = wire.wrap(transport, runtime)
+        return outer(recorded, runtime) if outer is not None else recorded
+
     try:
-        async with running_daemon(settings, hooks=hooks) as d:
+        async with running_daemon(settings, hooks=replace(hooks, wrap_transport=wrap)) as d:
+            d.wire = wire
             yield d
     finally:
         remove_host_containers(docker_client, host_id)

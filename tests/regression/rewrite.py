@@ -21,6 +21,18 @@ opencode,  the bridge's ``settled`` line: ``session_id``.
 kilo
 ========== ================================================================================
 
+Armed with ``at="handshake"``, it rewrites instead the session id a *resume handshake*
+reports (SPEC 3: "the resume handshake reports another session" is LOST):
+
+========== ================================================================================
+codex      the answer to ``thread/resume``: ``result.thread.id``.
+pi         the handshake's ``get_state`` answer (before any ``prompt``): ``data.sessionId``.
+opencode,  the bridge's ``opened`` line: ``session_id``.
+kilo
+claude     none: its resume handshake (``initialize``) names no session; a resumed Claude
+           proves its id at settlement (the ``at="settlement"`` rows above).
+========== ================================================================================
+
 Everything else passes through byte for byte. Each rewrite is recorded so a test can prove
 the wrapper hit the evidence line (and nothing else).
 """
@@ -48,16 +60,19 @@ class LocatorRewriter:
 
     forged: str | None = None
     runtime: str | None = None
+    at: str = "settlement"  # or "handshake"
     rewrites: list[Rewrite] = field(default_factory=list)
     generation: int = 0  # bumped on every arm: per-transport bookkeeping starts afresh
 
-    def arm(self, runtime: str, forged: str) -> None:
-        self.runtime, self.forged = runtime, forged
+    def arm(self, runtime: str, forged: str, *, at: str = "settlement") -> None:
+        assert at in ("settlement", "handshake")
+        self.runtime, self.forged, self.at = runtime, forged, at
         self.rewrites = []
         self.generation += 1
 
     def disarm(self) -> list[Rewrite]:
         self.runtime = self.forged = None
+        self.at = "settlement"
         return self.rewrites
 
     def active(self, runtime: str) -> str | None:
@@ -75,13 +90,19 @@ class RewritingTransport:
         self._generation = -1
         self._prompt_sent = False  # pi: a prompt went out since arming, so get_state = barrier
         self._barriers: set[str] = set()
+        self._ever_prompted = False  # pi: the handshake's get_state comes before any prompt
+        self._resume_ids: set[str] = set()  # codex: ids of thread/resume requests
 
-    # -- outgoing: only observed (pi barrier ids), never changed
+    # -- outgoing: only observed (pi barrier ids, codex resume ids), never changed
     async def send(self, line: bytes) -> None:
+        obj = _json(line)
+        if obj is not None and obj.get("type") == "prompt":
+            self._ever_prompted = True
+        if obj is not None and obj.get("method") == "thread/resume":
+            self._resume_ids.add(str(obj.get("id")))
         if self.runtime == "pi" and self.rewriter.active("pi") is not None:
             if self._generation != self.rewriter.generation:
                 self._generation, self._prompt_sent, self._barriers = self.rewriter.generation, False, set()
-            obj = _json(line)
             if obj is not None and obj.get("type") == "prompt":
                 self._prompt_sent = True
             elif obj is not None and obj.get("type") == "get_state" and self._prompt_sent:
@@ -105,6 +126,8 @@ class RewritingTransport:
         return json.dumps(obj, ensure_ascii=False).encode()
 
     def _rewrite(self, obj: dict[str, Any], forged: str) -> tuple[str, str | None] | None:
+        if self.rewriter.at == "handshake":
+            return self._rewrite_handshake(obj, forged)
         if self.runtime == "claude":
             if obj.get("type") == "result" and obj.get("parent_tool_use_id") is None and "origin" not in obj:
                 original, obj["session_id"] = obj.get("session_id"), forged
@@ -124,6 +147,24 @@ class RewritingTransport:
             if obj.get("type") == "settled":
                 original, obj["session_id"] = obj.get("session_id"), forged
                 return "settled", original
+        return None
+
+    def _rewrite_handshake(self, obj: dict[str, Any], forged: str) -> tuple[str, str | None] | None:
+        if self.runtime == "codex":
+            thread = (obj.get("result") or {}).get("thread") if isinstance(obj.get("result"), dict) else None
+            if str(obj.get("id")) in self._resume_ids and isinstance(thread, dict):
+                original, thread["id"] = thread.get("id"), forged
+                return "thread/resume", original
+        elif self.runtime == "pi":
+            data = obj.get("data")
+            if (obj.get("type") == "response" and obj.get("command") == "get_state" and not self._ever_prompted
+                    and isinstance(data, dict)):
+                original, data["sessionId"] = data.get("sessionId"), forged
+                return "get_state", original
+        elif self.runtime in ("opencode", "kilo"):
+            if obj.get("type") == "opened":
+                original, obj["session_id"] = obj.get("session_id"), forged
+                return "opened", original
         return None
 
     # -- the rest of the Transport protocol: delegated

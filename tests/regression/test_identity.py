@@ -201,3 +201,37 @@ async def test_changed_locator_at_settlement_is_rejected(runtime, daemon, fx, re
     assert (last["locator_before"], last["locator_after"]) == (saved, saved)
     assert last["sandbox"]["container_id"] == container
     assert await member_state(d, chat) == (stored, 3)
+
+
+HANDSHAKE_LINE = {"codex": "thread/resume", "pi": "get_state", "opencode": "opened", "kilo": "opened"}
+
+
+# Claude's resume handshake (initialize) names no session; it proves its id at settlement (above).
+@pytest.mark.parametrize("runtime", [r for r in available_runtimes() if r != "claude"])
+async def test_resume_handshake_reporting_another_session_is_lost(runtime, daemon, fx, rewriter) -> None:
+    """SPEC 3: the resume handshake reports another session → LOST: the message never reaches
+    the CLI or the model, the saved locator is kept, and the member stays LOST."""
+    d = daemon
+    chat = IdentityChat(runtime)
+    first = await succeed(d, fx, chat, f"handshake check one ({runtime})", "NEW")
+    saved = first["locator_after"]
+    resp = await d.client.post(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}/members/{chat.member_id}/retire")
+    assert resp.json() == {"retired": True}
+    forged = forged_locator(runtime)
+    mark = high_water(fx)
+    rewriter.arm(runtime, forged, at="handshake")
+    try:
+        refused, events, _ = await d.run(chat.job("this must never reach a model"))
+    finally:
+        rewrites = rewriter.disarm()
+    assert {(r.kind, r.original, r.forged) for r in rewrites} == {(HANDSHAKE_LINE[runtime], saved, forged)}
+    assert (refused["context_status"], refused["outcome"], refused["reason"]) == ("LOST", "refused",
+                                                                                  "locator_mismatch"), refused
+    assert (refused["locator_before"], refused["locator_after"]) == (saved, saved)
+    assert [e for e in events if e.get("type") == "event"] == []
+    assert fx.requests(since=mark) == [], "the message must not reach the model"
+    status = (await d.client.get(f"/v1/users/{chat.user_id}/chats/{chat.chat_id}")).json()["members"][0]
+    assert (status["lost_reason"], status["resident"], status["locator"]["id"]) == ("locator_mismatch", False, saved)
+    again, _, _ = await d.run(chat.job("nor this one"))
+    assert (again["context_status"], again["outcome"], again["reason"]) == ("LOST", "refused", "previously_lost")
+    assert fx.requests(since=mark) == []

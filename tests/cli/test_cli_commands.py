@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -67,8 +68,10 @@ def test_a_turn_that_does_not_settle_exits_4(tmp_path, sandbox_image) -> None:
     with LoopbackFixture.start() as fx, daemon_process(home, fx.base_url, sandbox_image,
                                                        env={"CLOUD_AGENT_TURN_TIMEOUT_S": "3"}) as dp:
         token = str(home / "token")
-        base = ["run", "--user", "u1", "--chat", "c1", "--member", "m1", "--runtime", "codex"]
-        assert cli(dp.url, token, *base, "hello").returncode == 0
+        # container names derive from (user, chat): ids of its own, not another test's sandbox
+        base = ["run", "--user", f"u-{uuid.uuid4().hex[:8]}", "--chat", "c1", "--member", "m1", "--runtime", "codex"]
+        first = cli(dp.url, token, *base, "hello")
+        assert first.returncode == 0, first.stderr
         fx.add_rule(stall(600, match="please hang", id="hang"))
         try:
             hung = cli(dp.url, token, *base, "please hang")

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             # SPEC 10: the default gateway is the loopback fixture
             settings.home.mkdir(parents=True, exist_ok=True)
-            with loopback_child(settings.home / "loopback-requests.jsonl") as url:
+            with loopback_child(settings.home / "loopback-requests.jsonl",
+                                settings.home / "loopback-control-token") as url:
                 structlog.get_logger("serve").info("gateway.embedded_fixture", url=url)
                 serve(settings.model_copy(update={"gateway_url": url}))
         except (StartupRefused, LoopbackStartFailed, ValueError) as exc:

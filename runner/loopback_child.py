@@ -2,7 +2,9 @@
 
 The daemon module never imports the fixture (a test double); the CLI entry point starts it
 with ``python -m deploy.loopback`` when CLOUD_AGENT_GATEWAY_URL is unset, and passes its URL
-to the daemon like any other gateway. The child watches its stdin: when this process dies,
+to the daemon like any other gateway. The fixture's control token (its ``/_fixture/*`` routes)
+is kept in a 0600 file beside the record, for an operator or a test that reads what the fixture
+saw; no sandbox can reach the fixture anyway (sealed). The child watches its stdin: when this process dies,
 even by ``kill -9``, the pipe closes and the fixture exits with it.
 """
 
@@ -24,9 +26,10 @@ class LoopbackStartFailed(RuntimeError):
 
 
 @contextmanager
-def loopback_child(record_path: Path, *, start_timeout_s: float = 30.0) -> Iterator[str]:
+def loopback_child(record_path: Path, token_path: Path, *, start_timeout_s: float = 30.0) -> Iterator[str]:
     """Run the fixture until the block ends; yield its base URL."""
-    argv = [sys.executable, "-m", "deploy.loopback", "--record", str(record_path), "--exit-on-stdin-eof"]
+    argv = [sys.executable, "-m", "deploy.loopback", "--record", str(record_path), "--token-file", str(token_path),
+            "--exit-on-stdin-eof"]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

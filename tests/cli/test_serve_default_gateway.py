@@ -33,11 +33,14 @@ def refuses_connections(url: str) -> bool:
 
 
 def test_serve_without_a_gateway_runs_jobs_on_the_loopback_child(tmp_path, sandbox_image) -> None:
-    env = {"CLOUD_AGENT_DEV_MODE": "1", "CLOUD_AGENT_IMAGE": sandbox_image, "CLOUD_AGENT_SANDBOX_NETWORK": "host",
+    env = {"CLOUD_AGENT_DEV_MODE": "1", "CLOUD_AGENT_IMAGE": sandbox_image,
            "CLOUD_AGENT_HOST_ID": f"gw-{uuid.uuid4().hex[:10]}"}
     with spawn_daemon(tmp_path / "home", env) as d:
         url = fixture_url(d.log())
         assert httpx.get(f"{url}/_fixture/health", timeout=5).json() == {"ok": True}
+        token_file = tmp_path / "home" / "loopback-control-token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        auth = {"authorization": f"Bearer {token_file.read_text().strip()}"}
         message = f"hello default gateway {uuid.uuid4().hex[:8]}"
         job = {"job_id": "j1", "user_id": "u1", "chat_id": "c1", "member_id": "m1", "runtime": "codex",
                "message": message}
@@ -45,7 +48,8 @@ def test_serve_without_a_gateway_runs_jobs_on_the_loopback_child(tmp_path, sandb
             lines = [json.loads(line) for line in resp.iter_lines() if line.strip()]
         receipt = lines[-1]["receipt"]
         assert (receipt["context_status"], receipt["outcome"]) == ("NEW", "succeeded")
-        seen = httpx.get(f"{url}/_fixture/requests", params={"kind": "conversation"}, timeout=5).json()["requests"]
+        seen = httpx.get(f"{url}/_fixture/requests", params={"kind": "conversation"}, headers=auth,
+                         timeout=5).json()["requests"]
         assert len(seen) == 1 and message in json.dumps(seen[0]["body"])
         assert (tmp_path / "home" / "loopback-requests.jsonl").read_text().count(message) == 1
         d.kill9()

@@ -80,8 +80,11 @@ class FakeEngine:
 
     async def create(self, spec: ContainerSpec) -> ContainerInfo:
         self.calls.append("create")
+        # what the manager's seal check reads back: network none and the model socket mount
+        attrs = {"HostConfig": {"NetworkMode": "none"},
+                 "Mounts": [{"Source": m.source, "Destination": m.target, "RW": not m.read_only} for m in spec.mounts]}
         info = ContainerInfo(id=uuid.uuid4().hex * 2, name=spec.name, status="created", image_id=IMAGE_ID,
-                             labels=dict(spec.labels))
+                             labels=dict(spec.labels), attrs=attrs)
         self.containers[info.id] = info
         return info
 
@@ -120,6 +123,11 @@ class FakeEngine:
 
     async def exec_exit_code(self, exec_id: str) -> int | None:
         return None
+
+    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool:
+        self._get(container_id)
+        self.calls.append("wait_log_line")
+        return True  # the fake container's command (ca-modelgate) reports listening at once
 
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None:
         self._get(container_id)

@@ -58,7 +58,7 @@ def fake_sdk(monkeypatch):
 async def test_construction_is_cheap_and_calls_run_in_worker_threads(fake_sdk) -> None:
     engine = DockerEngine("unix:///nowhere/docker.sock")
     assert CALLS == []  # nothing touched the socket yet
-    info = await engine.create(ContainerSpec(image="img", name="sb", labels={}, network="none"))
+    info = await engine.create(ContainerSpec(image="img", name="sb", labels={}))
     assert info.labels == {"k": "v"}  # the reloaded attributes
     assert CALLS == [("negotiate", False), ("create", False), ("reload", False)]
     engine.close()

@@ -1,17 +1,19 @@
 """The turn state machine (runner/turn.py) with a fake driver, a fake engine and the real SQLite
-store and sandbox manager: the NEW / LIVE / RESTORED / LOST decision, identity at settlement,
+store, sandbox manager and model path (its proxy listening on each sandbox's unix socket): the NEW / LIVE / RESTORED / LOST decision, identity at settlement,
 the retire rules, refusal stickiness and handshake failures (SPEC 3-5, 8)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import pytest
-from pydantic import SecretStr
 
 from drivers.base import Driver, Launch, discard
 from drivers.launch import LaunchSpec
@@ -29,6 +31,9 @@ from drivers.models import (
 )
 from drivers.session import NativeSession, Tracker, TurnStart
 from drivers.transport import Transport
+from proxy import ProxyConfig
+from runner.config import load_settings
+from runner.model_path import ModelPath
 from runner.residents import ResidentPool
 from runner.turn import TestHooks as Hooks  # not collected as a test class
 from runner.turn import TurnRunner
@@ -158,23 +163,34 @@ def outcome(r: Receipt) -> tuple[str | None, str, str | None]:
     return (r.context_status.value if r.context_status else None, r.outcome.value, r.reason)
 
 
-def make_rig(tmp_path, **hooks: Any) -> Rig:
+@asynccontextmanager
+async def make_rig(tmp_path, **hooks: Any) -> AsyncIterator[Rig]:
     store = Store(tmp_path / "store.db")
     engine = FakeEngine()
-    manager = SandboxManager(engine, store, SandboxConfig(image=IMAGE, network="none", host_id="host-t"))  # type: ignore[arg-type]
+    sockets = tempfile.mkdtemp(prefix="ca-turn-", dir="/tmp")  # a tmp_path is too long for a socket address
+    manager = SandboxManager(engine, store, SandboxConfig(image=IMAGE, socket_root=sockets, host_id="host-t"))  # type: ignore[arg-type]
+    key = tmp_path / "gateway-key"
+    key.write_text("sk-unit-test-key\n")
+    model_path = ModelPath(load_settings({"CLOUD_AGENT_HOME": str(tmp_path)}), "http://127.0.0.1:9", store, manager,
+                           config=ProxyConfig(upstream_url="http://127.0.0.1:9", key_file=key))
     pool = ResidentPool(grace_s=0.1)
     script = Script()
-    runner = TurnRunner(store=store, manager=manager, pool=pool, gateway_url="http://127.0.0.1:9",
-                        gateway_key=SecretStr("k"), models={"codex": "m", "pi": "m"}, turn_timeout_s=5,
+    runner = TurnRunner(store=store, manager=manager, pool=pool, model_path=model_path,
+                        models={"codex": "m", "pi": "m"}, turn_timeout_s=5,
                         handshake_timeout_s=0.5, hooks=Hooks(**hooks), drivers=lambda runtime, options: FakeDriver(script))
-    return Rig(store=store, engine=engine, pool=pool, runner=runner, script=script)
+    try:
+        async with model_path.running():
+            yield Rig(store=store, engine=engine, pool=pool, runner=runner, script=script)
+            await pool.retire_all("test over")
+    finally:
+        store.close()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 @pytest.fixture
-def rig(tmp_path):
-    r = make_rig(tmp_path)
-    yield r
-    r.store.close()
+async def rig(tmp_path):
+    async with make_rig(tmp_path) as r:
+        yield r
 
 
 # -- the status decision ----------------------------------------------------------------------------
@@ -340,12 +356,11 @@ async def test_retire_after_saves_the_locator_then_retires(rig: Rig) -> None:
 
 
 async def test_retire_after_can_be_disabled_by_the_test_hook(tmp_path) -> None:
-    rig = make_rig(tmp_path, disable_retire_after=True)
-    rig.script.turns = [settled(retire_after=True), settled()]
-    await rig.run()
-    assert rig.resident
-    assert outcome(await rig.run()) == ("LIVE", "succeeded", None)
-    rig.store.close()
+    async with make_rig(tmp_path, disable_retire_after=True) as rig:
+        rig.script.turns = [settled(retire_after=True), settled()]
+        await rig.run()
+        assert rig.resident
+        assert outcome(await rig.run()) == ("LIVE", "succeeded", None)
 
 
 # -- handshakes ------------------------------------------------------------------------------------

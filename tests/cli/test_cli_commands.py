@@ -79,8 +79,9 @@ def test_a_turn_that_does_not_settle_exits_4(tmp_path, sandbox_image) -> None:
         finally:
             fx.release_stalls()
         assert hung.returncode == 4, hung.stderr
+        lines = [line.strip() for line in hung.stderr.splitlines()]
         for line in ("context     LIVE", "outcome     not_settled", "reason      timeout"):
-            assert line in hung.stderr.splitlines(), hung.stderr
+            assert line in lines, hung.stderr
         assert as_json.returncode == 4, as_json.stderr
         receipt = json.loads(as_json.stdout.strip().splitlines()[-1])["receipt"]
         assert (receipt["context_status"], receipt["outcome"], receipt["reason"]) == ("RESTORED", "not_settled",

@@ -118,6 +118,12 @@ class Driver(ABC):
     def session(self, transport: Transport, launch: Launch) -> NativeSession:
         """Wrap a started process."""
 
+    def native_state(self, paths: MemberPaths, locator: Locator) -> list[str]:
+        """Where the CLI keeps ``locator``'s native session state, as glob patterns over the
+        sandbox's files (a plain path is :func:`glob.escape`-d). The inspector lists what they
+        match; nothing reads them. Default: nothing to look for."""
+        return []
+
 
 async def wait_closed(transport: Transport, timeout_s: float) -> None:
     """Drain the stream until EOF or ``timeout_s`` (after a graceful close)."""

@@ -8,15 +8,11 @@ identity the supervisor has condemned (LOST): its files are not this chat's evid
 
 from __future__ import annotations
 
-import shlex
-
 import anyio
 from pydantic import BaseModel, Field
 
-from drivers.bridge.launch import native_db
-from drivers.claude import ClaudeDriver
-from drivers.codex import CodexDriver
 from drivers.models import Locator
+from drivers.registry import RUNTIMES, get_driver
 from runner.processes import member_paths
 from sandbox_manager.engine import Engine, NotFound
 from state.records import MemberRecord, SandboxRecord, SandboxState
@@ -24,8 +20,8 @@ from sandbox_manager.sandboxes import SandboxManager
 
 PROBE_TIMEOUT_S = 15.0
 
-# The exec's script: "$1" is the member's home; every further argument is one shell word
-# naming session files (a glob for Codex's date directories), expanded here, in the sandbox.
+# The exec's script: "$1" is the member's home; every further argument is one glob pattern
+# naming session files (the driver's Driver.native_state), expanded here, in the sandbox.
 _SCRIPT = r"""
 home="$1"; shift
 n=$(find "$home" -type f 2>/dev/null | wc -l)
@@ -55,21 +51,11 @@ class NativeState(BaseModel):
 
 
 def session_words(runtime: str, member: MemberRecord) -> list[str]:
-    """Shell words naming the member's native session state, as its driver keeps it."""
-    if member.locator is None:
+    """Glob patterns of the member's native session state, as its driver keeps it."""
+    if member.locator is None or runtime not in RUNTIMES:
         return []
     paths = member_paths(SandboxManager.member_dirs(member.home_member_id))
-    loc = Locator(id=member.locator.id, path=member.locator.path)
-    if runtime == "claude":
-        return [shlex.quote(ClaudeDriver().transcript(paths, loc))]
-    if runtime == "codex":
-        return [CodexDriver.rollout_glob(paths, loc)]
-    if runtime == "pi":
-        return [shlex.quote(loc.path)] if loc.path else []
-    if runtime in ("opencode", "kilo"):
-        db = native_db(runtime, paths.home)
-        return [shlex.quote(db), shlex.quote(f"{db}-wal")]
-    return []
+    return get_driver(runtime).native_state(paths, Locator(id=member.locator.id, path=member.locator.path))
 
 
 def parse_listing(out: str) -> tuple[int | None, int | None, list[NativeFile]]:

@@ -8,6 +8,7 @@ settlement evidence (SPEC section 5); the turn loop itself is the shared templat
 
 from __future__ import annotations
 
+import glob
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -195,3 +196,8 @@ class BridgeDriver(Driver):
 
     def session(self, transport: Transport, launch: Launch) -> BridgeSession:
         return BridgeSession(transport, launch, self.runtime, helper_version=self.options.helper_version)
+
+    def native_state(self, paths: MemberPaths, locator: Locator) -> list[str]:
+        # every session of the server lives in its one SQLite store (and its write-ahead log)
+        db = glob.escape(plans.native_db(self.runtime, paths.home))
+        return [db, f"{db}-wal"]

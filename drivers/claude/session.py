@@ -12,6 +12,7 @@ Forks are lazy: the CLI forks when the fork's first turn starts (``--fork-sessio
 
 from __future__ import annotations
 
+import glob
 from typing import Any
 
 import anyio
@@ -55,6 +56,9 @@ class ClaudeDriver(Driver):
     def transcript(self, paths: MemberPaths, locator: Locator) -> str:
         """Where the CLI keeps ``locator``'s transcript (keyed by the ORIGINAL cwd)."""
         return plans.transcript(paths, locator)
+
+    def native_state(self, paths: MemberPaths, locator: Locator) -> list[str]:
+        return [glob.escape(self.transcript(paths, locator))]
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
         return plans.plan(self.settings, paths, gateway, resume, compaction=self.options.native_compaction)

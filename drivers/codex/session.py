@@ -13,6 +13,7 @@ must get the same id back. The turn loop is the shared template (drivers/session
 
 from __future__ import annotations
 
+import glob
 import posixpath
 from typing import Any
 
@@ -292,4 +293,8 @@ class CodexDriver(Driver):
     @staticmethod
     def rollout_glob(paths: MemberPaths, locator: Locator) -> str:
         """Where the thread's rollout lives (date directories are local time of creation)."""
-        return posixpath.join(codex_home(paths), "sessions", "*", "*", "*", f"rollout-*-{locator.id}.jsonl")
+        return posixpath.join(glob.escape(codex_home(paths)), "sessions", "*", "*", "*",
+                              f"rollout-*-{glob.escape(locator.id)}.jsonl")
+
+    def native_state(self, paths: MemberPaths, locator: Locator) -> list[str]:
+        return [self.rollout_glob(paths, locator)]

@@ -18,6 +18,7 @@ persisting nothing (protocols/pi.md §7), so an unexpected end of stdout is alwa
 
 from __future__ import annotations
 
+import glob
 import itertools
 from typing import Any
 
@@ -186,6 +187,10 @@ class PiDriver(Driver):
 
     def plan(self, paths: MemberPaths, gateway: GatewayConfig, resume: Locator | None) -> Launch:
         return plans.plan(self.settings, paths, gateway, resume, compaction=self.options.native_compaction)
+
+    def native_state(self, paths: MemberPaths, locator: Locator) -> list[str]:
+        # the session file's path is the locator's (the CLI reports it)
+        return [glob.escape(locator.path)] if locator.path else []
 
     def plan_fork(self, paths: MemberPaths, gateway: GatewayConfig, source: Locator,
                   at_turn: int | None = None) -> Launch:

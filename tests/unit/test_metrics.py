@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runner.metrics import Metrics
@@ -74,3 +75,35 @@ def test_the_scraper_chooses_the_format() -> None:
     body, content_type = m.render(residents=0, sandboxes={}, accept="application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text; version=1.0.0")
     assert body.decode().endswith("# EOF\n")
+
+
+@pytest.mark.anyio
+async def test_the_daemons_metrics_are_one_registry_with_every_parts_families(tmp_path) -> None:
+    """The supervisor's exposition holds its own families, the model proxy's, the capacity
+    limits' and the memory budget's, each exactly once (one registry, no concatenated texts)."""
+    import tempfile
+
+    from runner.config import load_settings
+    from runner.supervisor import build_supervisor
+    from tests.support.fake_engine import FakeEngine
+
+    sockets = tempfile.mkdtemp(prefix="ca-m-", dir="/tmp")
+    settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_SOCKET_DIR": sockets,
+                              "CLOUD_AGENT_MAX_TURNS": "3", "CLOUD_AGENT_RESIDENT_MEMORY_MB": "2048"})
+    sup = build_supervisor(settings, "http://127.0.0.1:9", engine=FakeEngine())  # type: ignore[arg-type]
+    try:
+        sup.model_path.proxy_metrics.observe_verdict("pi", "complete")
+        body, content_type = await sup.render_metrics()
+    finally:
+        sup.store.close()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    text = body.decode()
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
+    for name in ("cloud_agent_turns_total", "cloud_agent_resident_processes", "cloud_agent_sandboxes",
+                 "cloud_agent_proxy_requests_total", "cloud_agent_wire_verdicts_total", "cloud_agent_queue_depth",
+                 "cloud_agent_turns_limit", "cloud_agent_resident_memory_budget_bytes"):
+        assert name in families, (name, families)
+    assert sample(text, "cloud_agent_wire_verdicts_total", runtime="pi", history="complete") == 1
+    assert sample(text, "cloud_agent_turns_limit") == 3
+    assert sample(text, "cloud_agent_resident_memory_budget_bytes") == 2048 * 1024 * 1024

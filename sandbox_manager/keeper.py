@@ -3,11 +3,11 @@
 The keeper (``ca-keeper`` in the image) owns the CLI's stdio and numbers its stdout by
 byte offset. :class:`KeeperChannel` speaks the keeper's frames over any byte stream (the
 attached exec in production: :class:`ExecBytes`; a local process in tests:
-:class:`ProcessBytes`) and gives the driver the same line stream a ``Transport`` gives:
-``send`` / ``receive`` / ``close`` / ``alive`` / ``diagnostics``. On top it knows where
-it is in the CLI's output (:attr:`KeeperChannel.offset`), acknowledges what the runner has
-committed (:meth:`KeeperChannel.ack`; the keeper keeps everything after that offset), and
-who it talks to (:attr:`KeeperChannel.hello`): a channel opened with an expected
+``tests.support.keeper_local.ProcessBytes``) and gives the driver the same line stream a
+``Transport`` gives: ``send`` / ``receive`` / ``close`` / ``alive`` / ``diagnostics``. On top
+it knows where it is in the CLI's output (:attr:`KeeperChannel.offset`), acknowledges what
+the runner has committed (:meth:`KeeperChannel.ack`; the keeper keeps everything after that
+offset), and who it talks to (:attr:`KeeperChannel.hello`): a channel opened with an expected
 :class:`KeeperIdentity` refuses any other keeper before reading a byte of its output.
 
 Errors are one family under :class:`KeeperError`, itself an ``ExecStreamClosed``: whatever
@@ -20,7 +20,6 @@ from collections import deque
 from typing import Protocol
 
 import anyio
-from anyio.abc import Process
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandbox_manager import keeper_wire as wire
@@ -175,39 +174,6 @@ class ExecBytes:
 
     def diagnostics(self) -> str:
         return self.exec.diagnostics()
-
-
-class ProcessBytes:
-    """A local ``ca-keeper run|attach`` process as a byte stream (tests, local runs)."""
-
-    def __init__(self, process: Process) -> None:
-        self.process = process
-
-    async def send_bytes(self, data: bytes) -> None:
-        assert self.process.stdin is not None
-        try:
-            await self.process.stdin.send(data)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise ExecStreamClosed(f"keeper client stdin is gone: {exc!r}") from exc
-
-    async def receive_bytes(self) -> bytes:
-        assert self.process.stdout is not None
-        try:
-            return await self.process.stdout.receive(65536)
-        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            return b""
-
-    async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            for s in (self.process.stdin, self.process.stdout):
-                if s is not None:
-                    try:
-                        await s.aclose()
-                    except (anyio.BrokenResourceError, OSError):
-                        pass
-
-    def diagnostics(self) -> str:
-        return ""
 
 
 # -- the channel ----------------------------------------------------------------------------------

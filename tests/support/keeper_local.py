@@ -9,12 +9,46 @@ from pathlib import Path
 import anyio
 from anyio.abc import Process
 
-from sandbox_manager.keeper import KeeperChannel, KeeperIdentity, ProcessBytes
+from sandbox_manager.exec_stream import ExecStreamClosed
+from sandbox_manager.keeper import KeeperChannel, KeeperIdentity
 from sandbox_manager.keeper_sandbox import KeeperPaths, attach_argv, run_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 KEEPER = ROOT / "images" / "sandbox" / "helpers" / "ca-keeper"
 FAKE_CLI = Path(__file__).with_name("keeper_fake_cli.py")
+
+
+class ProcessBytes:
+    """A local ``ca-keeper run|attach`` process as a keeper byte stream (sandbox_manager.keeper.ByteStream)."""
+
+    def __init__(self, process: Process) -> None:
+        self.process = process
+
+    async def send_bytes(self, data: bytes) -> None:
+        assert self.process.stdin is not None
+        try:
+            await self.process.stdin.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise ExecStreamClosed(f"keeper client stdin is gone: {exc!r}") from exc
+
+    async def receive_bytes(self) -> bytes:
+        assert self.process.stdout is not None
+        try:
+            return await self.process.stdout.receive(65536)
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return b""
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for s in (self.process.stdin, self.process.stdout):
+                if s is not None:
+                    try:
+                        await s.aclose()
+                    except (anyio.BrokenResourceError, OSError):
+                        pass
+
+    def diagnostics(self) -> str:
+        return ""
 
 
 def keeper_cmd() -> tuple[str, ...]:

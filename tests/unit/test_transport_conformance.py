@@ -181,7 +181,8 @@ def keeper_argv(paths: Any, cwd: str, keeper: tuple[str, ...] | None = None) -> 
 @pytest.fixture
 async def keeper(tmp_path) -> AsyncIterator[Factory]:
     from runner.transport import exec_transport
-    from sandbox_manager.keeper import KeeperChannel, ProcessBytes
+    from sandbox_manager.keeper import KeeperChannel
+    from tests.support.keeper_local import ProcessBytes
     from sandbox_manager.keeper_sandbox import KeeperPaths, retire_argv
     from tests.support.keeper_local import keeper_cmd, open_client, reap
 

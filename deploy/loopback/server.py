@@ -65,12 +65,19 @@ class _Server(ThreadingHTTPServer):
     control_token: str
     releases: threading.Condition  # notified by LoopbackFixture.release_stalls
     release_count: int = 0
+    holding: int = 0  # stalls in progress (a test waits for its stall to begin before releasing it)
 
     def hold(self, seconds: float) -> None:
         """A stall: until ``seconds`` pass, the fixture closes, or a test releases its stalls."""
         with self.releases:
             seen = self.release_count
-            self.releases.wait_for(lambda: self.stopping.is_set() or self.release_count != seen, timeout=seconds)
+            self.holding += 1
+            self.releases.notify_all()
+            try:
+                self.releases.wait_for(lambda: self.stopping.is_set() or self.release_count != seen,
+                                       timeout=seconds)
+            finally:
+                self.holding -= 1
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -408,6 +415,12 @@ class LoopbackFixture:
             self.recorder.clear()
         if rules:
             self.behaviour.clear()
+
+    def wait_stalled(self, n: int = 1, timeout: float = 30.0) -> None:
+        """Block until ``n`` stalls are in progress (their first event sent, the rest held)."""
+        with self._server.releases:
+            if not self._server.releases.wait_for(lambda: self._server.holding >= n, timeout=timeout):
+                raise TimeoutError(f"{self._server.holding} stall(s) in progress after {timeout}s, expected {n}")
 
     def release_stalls(self) -> None:
         """End every stall in progress now (a test holds a turn until it has seen what it needs)."""

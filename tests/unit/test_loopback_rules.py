@@ -322,14 +322,14 @@ def test_release_stalls_ends_a_stall_in_progress_and_only_that_one(fx) -> None:
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    fx.wait_for(lambda rs: len(rs) == 1)
+    fx.wait_stalled(1)
     fx.release_stalls()
     t.join(30)
     assert not t.is_alive() and results == [expected_default_reply(["held"])]
     # a stall that starts after the release is held again (the release is not sticky)
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    fx.wait_for(lambda rs: len(rs) == 2)
+    fx.wait_stalled(1)
     t.join(0.5)
     assert t.is_alive()
     fx.release_stalls()

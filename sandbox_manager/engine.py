@@ -330,7 +330,7 @@ class DockerEngine:
         """The engine's event stream, connected when this is entered: an async iterator of event
         dicts that ends when the engine closes the stream. One worker thread reads the SDK's
         blocking stream; leaving the block closes it (which ends that thread's read)."""
-        stream = await self._call(self.api.events, decode=True, filters=filters)
+        stream = await self._call(lambda c: c.api.events(decode=True, filters=filters))
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
 
         def pump() -> None:

@@ -39,11 +39,28 @@ class FakeContainers:
         return FakeContainer()
 
 
+class FakeEvents:
+    def __init__(self, events: list[dict]) -> None:
+        self.events, self.closed = events, False
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeApi:
+    def events(self, *, decode: bool, filters: dict) -> FakeEvents:
+        record(f"events decode={decode} filters={sorted(filters)}")
+        return FakeEvents([{"Action": "die", "id": "c1"}, {"Action": "start", "id": "c2"}])
+
+
 class FakeClient:
     def __init__(self, base_url: str, timeout: int) -> None:
         record("negotiate")  # the real client asks the engine for its API version here
         self.containers = FakeContainers()
-        self.api = object()
+        self.api = FakeApi()
 
     def close(self) -> None:
         pass
@@ -67,4 +84,13 @@ async def test_construction_is_cheap_and_calls_run_in_worker_threads(fake_sdk) -
 async def test_an_engine_that_is_down_is_reported_not_raised_at_construction(tmp_path) -> None:
     engine = DockerEngine(f"unix://{tmp_path}/missing.sock", timeout_s=2)
     assert await engine.ping() is False
+    engine.close()
+
+
+async def test_the_event_stream_is_opened_in_a_worker_thread_and_read_to_its_end(fake_sdk) -> None:
+    engine = DockerEngine("unix:///nowhere/docker.sock")
+    async with engine.follow_events({"type": ["container"]}) as events:
+        got = [e async for e in events]
+    assert got == [{"Action": "die", "id": "c1"}, {"Action": "start", "id": "c2"}]
+    assert CALLS == [("negotiate", False), ("events decode=True filters=['type']", False)]
     engine.close()

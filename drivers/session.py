@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,9 @@ class NativeSession(ABC):
         self.turns = 0  # settled turns of this process
         self.turn: Tracker | None = None  # the turn in flight
         self.last_start: TurnStart | None = None  # the start of the latest turn (for replay_turn)
+        # awaited with each turn's start before its opening is sent (the runner records it next
+        # to the keeper offset where the turn begins, so a new daemon can finish the turn)
+        self.before_turn: Callable[[TurnStart], Awaitable[None]] | None = None
         self._seq = 0
         self._busy = anyio.Lock()
         self._send_lock = anyio.Lock()
@@ -268,34 +271,54 @@ class NativeSession(ABC):
             start = self.turn_start()
             tracker = self.tracker(start)
             self.turn, self.last_start = tracker, start
-            sink = guarded(emit, self.runtime_name)
-            outcome: TurnOutcome | None = None
-            try:
-                with anyio.move_on_after(timeout_s):
-                    outcome = await self._drive(tracker, tracker.opening(message), sink)
-                if outcome is None:
-                    await self._interrupt(tracker, sink, until_ended=True)
-                    outcome = NotSettled(reason=NotSettledReason.TIMEOUT, detail=f"no settlement within {timeout_s:g}s",
-                                         assistant_text=tracker.partial_text())
-            except anyio.get_cancelled_exc_class():
-                with anyio.CancelScope(shield=True):
-                    await self._interrupt(tracker, sink, until_ended=tracker.drain_on_cancel)
-                    self.turn_ended(tracker, NotSettled(reason=NotSettledReason.CANCELLED))
-                    self.turn = None
-                raise
-            except (TransportError, LaunchError) as exc:
-                outcome = NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=str(exc) or "stream ended",
-                                     assistant_text=tracker.partial_text())
-            if isinstance(outcome, Settlement):
-                outcome = await self.settled(tracker, outcome)
-            if isinstance(outcome, Settlement):
-                self.turns += 1
-                self._adopt(outcome)
-            self.turn_ended(tracker, outcome)
-            self.turn = None
-            return outcome
+            if self.before_turn is not None:
+                await self.before_turn(start)
+            return await self._turn(tracker, tracker.opening(message), guarded(emit, self.runtime_name), timeout_s)
 
-    async def _drive(self, tracker: Tracker, opening: list[dict[str, Any]], sink: EventSink) -> TurnOutcome:
+    async def resume_turn(self, start: TurnStart, *, emit: EventSink = discard, timeout_s: float = 600.0,
+                          answer: Callable[[], bool] = lambda: True) -> TurnOutcome:
+        """Finish a turn another process of this daemon began (a daemon restart under a keeper):
+        the transport re-reads the CLI's output from the offset where the turn began, a tracker
+        built from ``start`` follows it to the CLI's own settlement, and nothing is re-sent
+        (the opening was sent then). What the tracker asks to send is sent only while
+        ``answer()`` says so (the caller's judgement of which lines the old daemon never saw)."""
+        if self._busy.locked():
+            return NotSettled(reason=NotSettledReason.PROTOCOL_ERROR, detail="another call is using this session")
+        async with self._busy:
+            tracker = self.tracker(start)
+            self.turn, self.last_start = tracker, start
+            return await self._turn(tracker, [], guarded(emit, self.runtime_name), timeout_s, answer=answer)
+
+    async def _turn(self, tracker: Tracker, opening: list[dict[str, Any]], sink: EventSink, timeout_s: float,
+                    answer: Callable[[], bool] = lambda: True) -> TurnOutcome:
+        outcome: TurnOutcome | None = None
+        try:
+            with anyio.move_on_after(timeout_s):
+                outcome = await self._drive(tracker, opening, sink, answer)
+            if outcome is None:
+                await self._interrupt(tracker, sink, until_ended=True)
+                outcome = NotSettled(reason=NotSettledReason.TIMEOUT, detail=f"no settlement within {timeout_s:g}s",
+                                     assistant_text=tracker.partial_text())
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self._interrupt(tracker, sink, until_ended=tracker.drain_on_cancel)
+                self.turn_ended(tracker, NotSettled(reason=NotSettledReason.CANCELLED))
+                self.turn = None
+            raise
+        except (TransportError, LaunchError) as exc:
+            outcome = NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=str(exc) or "stream ended",
+                                 assistant_text=tracker.partial_text())
+        if isinstance(outcome, Settlement):
+            outcome = await self.settled(tracker, outcome)
+        if isinstance(outcome, Settlement):
+            self.turns += 1
+            self._adopt(outcome)
+        self.turn_ended(tracker, outcome)
+        self.turn = None
+        return outcome
+
+    async def _drive(self, tracker: Tracker, opening: list[dict[str, Any]], sink: EventSink,
+                     answer: Callable[[], bool]) -> TurnOutcome:
         await self._send_all(opening)
         while True:
             obj = await self.read_object()
@@ -304,7 +327,8 @@ class NativeSession(ABC):
             step = tracker.feed(obj)
             for event in step.events:
                 sink(event)
-            await self._send_all(step.send)
+            if answer():
+                await self._send_all(step.send)
             if step.outcome is not None:
                 return step.outcome
 
@@ -340,6 +364,37 @@ class NativeSession(ABC):
             self.locator = observed
         else:
             self._log.warning("driver.locator_differs", expected=str(self.expected), observed=str(observed))
+
+    # ------------------------------------------------------------ adoption (a daemon restart)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this process's session object knows beyond its stream, as JSON: a new daemon
+        re-adopting the process (through its keeper) rebuilds the object with :meth:`restore`
+        instead of a handshake."""
+        return {"expected": self.expected.model_dump() if self.expected else None,
+                "locator": self.locator.model_dump() if self.locator else None,
+                "cli_version": self.cli_version, "turns": self.turns, "seq": self._seq, **self.state()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.expected = Locator.model_validate(snap["expected"]) if snap.get("expected") else None
+        self.locator = Locator.model_validate(snap["locator"]) if snap.get("locator") else None
+        self.cli_version = snap.get("cli_version")
+        self.turns = int(snap.get("turns", 0))
+        self._seq = int(snap.get("seq", 0))
+        self.restore_state(snap)
+
+    def state(self) -> dict[str, Any]:
+        """A CLI's own fields for :meth:`snapshot` (JSON values)."""
+        return {}
+
+    def restore_state(self, snap: dict[str, Any]) -> None:
+        """Set a CLI's own fields from a :meth:`snapshot`."""
+
+    #: the TurnStart model of this CLI (to load one a previous daemon stored)
+    start_model: type[TurnStart] = TurnStart
+
+    def load_start(self, data: str) -> TurnStart:
+        return self.start_model.model_validate_json(data)
 
     def replay_turn(self, lines: Iterable[bytes], start: TurnStart | None = None) -> TurnOutcome | None:
         """The outcome a turn's raw output lines reach, fed to a tracker built from ``start``

@@ -113,6 +113,15 @@ class BridgeSession(NativeSession):
 
     # -- turns (the template in drivers/session.py; the tracker in drivers/bridge/wire.py)
 
+    start_model = BridgeTurnStart
+
+    def state(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "helper_version": self.helper_version}
+
+    def restore_state(self, snap: dict[str, Any]) -> None:
+        self.session_id = snap.get("session_id")
+        self.helper_version = snap.get("helper_version")
+
     def turn_start(self) -> BridgeTurnStart:
         n = self.next_turn()
         return BridgeTurnStart(turn=n, turn_id=f"turn-{n}")

@@ -148,6 +148,16 @@ class ClaudeSession(NativeSession):
 
     # ---------------------------------------------------------------- turns (the template: drivers/session.py)
 
+    start_model = ClaudeTurnStart
+
+    def state(self) -> dict[str, Any]:
+        return {"pid": self.pid, "last_assistant_uuid": self.last_assistant_uuid, "quiesced": self.quiesced}
+
+    def restore_state(self, snap: dict[str, Any]) -> None:
+        self.pid = snap.get("pid")
+        self.last_assistant_uuid = snap.get("last_assistant_uuid")
+        self.quiesced = bool(snap.get("quiesced", True))
+
     def turn_start(self) -> ClaudeTurnStart:
         return ClaudeTurnStart(turn=self.next_turn(), expected=self.expected.id if self.expected else None,
                                state_events=self.settings.state_events)

@@ -179,6 +179,24 @@ class CodexSession(NativeSession):
                               detail=f"turn {self._left_over} never settled; retire this process")
         return None
 
+    start_model = CodexTurnStart
+    #: JSON-RPC ids a previous daemon may have used after its last snapshot (interrupts,
+    #: answers): a restored session starts past them, so no id is ever reused
+    ID_MARGIN = 1_000_000
+
+    def state(self) -> dict[str, Any]:
+        return {"thread_id": self.thread_id, "persisted": self.persisted, "turn_ids": list(self.turn_ids),
+                "left_over": self._left_over, "next_id": self._next_id}
+
+    def restore_state(self, snap: dict[str, Any]) -> None:
+        self.thread_id = snap.get("thread_id")
+        self.persisted = bool(snap.get("persisted"))
+        self.turn_ids = list(snap.get("turn_ids") or [])
+        self._left_over = snap.get("left_over")
+        self._next_id = int(snap.get("next_id", 0)) + self.ID_MARGIN
+        if self.thread_id:
+            self._log = self._log.bind(thread=self.thread_id)
+
     def turn_start(self) -> CodexTurnStart:
         assert self.thread_id is not None
         return CodexTurnStart(turn=self.next_turn(), thread_id=self.thread_id, request_id=self._allocate(),

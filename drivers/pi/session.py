@@ -19,7 +19,6 @@ persisting nothing (protocols/pi.md §7), so an unexpected end of stdout is alwa
 from __future__ import annotations
 
 import glob
-import itertools
 from typing import Any
 
 from drivers.base import Driver, ForkFailed, Launch, LaunchError, as_dict, as_list
@@ -49,7 +48,7 @@ class PiSession(NativeSession):
         self.settings = settings or PiSettings()
         self.reported: Locator | None = None  # what get_state said at the handshake (NEW: not on disk yet)
         self.persisted = launch.resume  # the session file exists (RESTORED, or after an assistant message_end)
-        self._ids = itertools.count(1)
+        self._id_n = 0  # the last command id number used (a plain int: it is part of the snapshot)
 
     @property
     def handshake_timeout_s(self) -> float:
@@ -66,7 +65,8 @@ class PiSession(NativeSession):
     # ------------------------------------------------------------ plumbing
 
     def _next_id(self, prefix: str) -> str:
-        return f"{prefix}{next(self._ids)}"
+        self._id_n += 1
+        return f"{prefix}{self._id_n}"
 
     async def _command(self, ctype: str, **fields: Any) -> dict[str, Any] | None:
         """Send one command and wait for its response; None if the stream ended first.
@@ -120,6 +120,17 @@ class PiSession(NativeSession):
         self._log.info("pi.handshake", locator=str(observed), resume=self.launch.resume)
 
     # ------------------------------------------------------------ turns (the template: drivers/session.py)
+
+    start_model = PiTurnStart
+
+    def state(self) -> dict[str, Any]:
+        return {"reported": self.reported.model_dump() if self.reported else None, "persisted": self.persisted,
+                "id_n": self._id_n}
+
+    def restore_state(self, snap: dict[str, Any]) -> None:
+        self.reported = Locator.model_validate(snap["reported"]) if snap.get("reported") else None
+        self.persisted = bool(snap.get("persisted"))
+        self._id_n = int(snap.get("id_n", 0))
 
     def turn_start(self) -> PiTurnStart:
         return PiTurnStart(turn=self.next_turn(), prompt_id=self._next_id("p"))

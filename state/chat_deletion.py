@@ -31,7 +31,7 @@ _FINISHED = ("SELECT job_id, receipt_json FROM jobs WHERE user_id=? AND chat_id=
              " AND deleted_at IS NULL AND receipt_json IS NOT NULL")
 _TOMBSTONE = "UPDATE jobs SET receipt_json=?, deleted_at=? WHERE user_id=? AND job_id=?"
 _REMOVE = tuple(f"DELETE FROM {t} WHERE user_id=? AND chat_id=?"  # noqa: S608 - fixed names
-                for t in ("wire_records", "wire_turns", "members", "sandboxes", "placements"))
+                for t in ("wire_records", "wire_turns", "members", "sandboxes", "placements", "keepers"))
 
 
 def _pg(sql: str) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from state.keepers import KEEPERS_SQL
+
 MIGRATIONS: list[str] = [
     # 1: the first schema
     """
@@ -104,6 +106,9 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN deleted_at TEXT;
     """,
+    # 9: keepers (SPEC 14; state.keepers) — each resident's in-sandbox keeper: identity,
+    # session snapshot, acknowledged offset, the turn in flight
+    KEEPERS_SQL,
 ]
 
 

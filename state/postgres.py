@@ -38,6 +38,7 @@ from state.contract import (
     now,
 )
 from state.migrations import MIGRATIONS
+from state.keepers import PostgresKeepers
 from state.postgres_fleet import NOW_MS, Conn, PostgresFleet
 from state.chat_deletion import PostgresChatDeletion
 from state.wire_ledger import PostgresWireLedger, postgres_put_turn
@@ -59,7 +60,7 @@ def redact(url: str) -> str:
     return f"postgresql://{info.get('user', '')}@{info.get('host', '')}:{info.get('port', '')}/{info.get('dbname', '')}"
 
 
-class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion):
+class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, PostgresKeepers):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout_s: float = 10.0,
                  commit_retry_s: float = 20.0, retry_s: float = 10.0) -> None:
         self.url = url

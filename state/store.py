@@ -27,6 +27,7 @@ from state.contract import (
     now,
 )
 from state.migrations import migrate
+from state.keepers import SQLiteKeepers
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
 from state.chat_deletion import SQLiteChatDeletion
 from state.wire_ledger import SQLiteWireLedger, sqlite_put_turn
@@ -44,7 +45,7 @@ T = TypeVar("T")
 
 __all__ = ["Claim", "MemberOutcome", "Store", "VerifiedTurn", "now"]
 
-class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion):
+class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from state.contract import Fenced, HostLease, MemberOutcome, StoreContract, VerifiedTurn
+from state.contract import Fenced, HostLease, MemberOutcome, StoreContract, VerifiedTurn, now
 from state.migrations import MIGRATIONS
 from state.postgres import PostgresStore
 from state.records import JobState, SandboxRecord, SandboxState, SavedLocator
@@ -467,3 +467,25 @@ async def test_delete_chat_keeps_tombstones_only_and_touches_no_other_chat(store
     again = await store.delete_chat("u1", "c")
     assert (again.tombstoned, again.removed) == (0, 0)
     assert Receipt.model_validate_json((await store.get_job("u1", "j-u1")).receipt_json) == tomb
+
+
+async def test_keeper_records_per_member_and_host(store: StoreContract) -> None:
+    from state.keepers import KeeperRecord, KeeperTurn
+
+    def rec(member: str, host: str, acked: int, turn: KeeperTurn | None = None) -> KeeperRecord:
+        return KeeperRecord(user_id="u", chat_id="c", member_id=member, host_id=host, runtime="codex",
+                            container_id="cid", run_dir=f"/home/agent/members/{member}/run",
+                            identity={"keeper_id": "k" * 32, "pid": 7, "start_time": 99, "member": member, "tags": {}},
+                            session={"turns": 1, "thread_id": "t-1"}, acked=acked, turn=turn)
+
+    turn = KeeperTurn(job_json='{"job_id":"j1"}', start_json='{"turn":2}', offset=40, context_status="LIVE",
+                      started_at=now(), timings_json='{"sandbox":1,"process":2,"turn":0,"total":0}')
+    await store.put_keeper(rec("m1", "h1", 10))
+    await store.put_keeper(rec("m2", "h2", 5))
+    await store.put_keeper(rec("m1", "h1", 40, turn))  # the same member: replaced, not added
+    assert [(r.member_id, r.acked, r.turn) for r in await store.list_keepers("h1")] == [("m1", 40, turn)]
+    assert [r.member_id for r in await store.list_keepers("h2")] == ["m2"]
+    await store.delete_keeper("u", "c", "m1")
+    await store.delete_keeper("u", "c", "m1")  # idempotent
+    assert await store.list_keepers("h1") == []
+    assert [r.identity["pid"] for r in await store.list_keepers("h2")] == [7]

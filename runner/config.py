@@ -56,6 +56,9 @@ class Settings(BaseModel):
     handshake_timeout_s: float = Field(default=90.0, description="CLOUD_AGENT_HANDSHAKE_TIMEOUT_S")
     idle_stop_s: float = Field(default=1800.0, description="CLOUD_AGENT_IDLE_STOP_S: stop idle sandboxes")
     resident_idle_s: float = Field(default=900.0, description="CLOUD_AGENT_RESIDENT_IDLE_S: retire idle processes")
+    keeper_buffer_bytes: int = Field(default=64 << 20, ge=4096, description="CLOUD_AGENT_KEEPER_BUFFER_BYTES: CLI"
+                                     " output a keeper holds unacknowledged (a turn's output); beyond it the keeper"
+                                     " is broken and the member retires")
     max_message_bytes: int = Field(default=1024 * 1024, description="CLOUD_AGENT_MAX_MESSAGE_BYTES")
     max_body_bytes: int | None = Field(default=None, gt=0,
                                        description="CLOUD_AGENT_MAX_BODY_BYTES; default 6 x message + 64 KiB")
@@ -185,6 +188,7 @@ _ENV = {
     "CLOUD_AGENT_SANDBOX_DISK_MB": "sandbox_disk_mb", "CLOUD_AGENT_RETAIN_DAYS": "retain_days",
     "CLOUD_AGENT_SWEEP_INTERVAL_S": "sweep_interval_s",
     "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "CLOUD_AGENT_KEEPER_BUFFER_BYTES": "keeper_buffer_bytes",
     "CLOUD_AGENT_HOST_ID": "host_id", "CLOUD_AGENT_PROBE_INTERVAL_S": "probe_interval_s",
     "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",
     "CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S": "control_plane_timeout_s",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import structlog
@@ -31,6 +32,7 @@ class Resident:
     pgid: int | None = None  # in the sandbox, read from the pidfile once
     measured_bytes: int | None = None  # its process tree's peak RSS at the last reading (budgeted)
     rss_bytes: int | None = None  # its process tree's RSS at the last reading
+    keeper: Any = None  # runner.keepers.KeeperHandle: the CLI runs under an in-sandbox keeper
 
     @property
     def alive(self) -> bool:
@@ -42,11 +44,12 @@ class Resident:
 
 
 class ResidentPool:
-    def __init__(self, grace_s: float = 3.0) -> None:
+    def __init__(self, grace_s: float = 3.0, forget: Callable[[MemberKey], Awaitable[None]] | None = None) -> None:
         self._residents: dict[MemberKey, Resident] = {}
         # Retired but not yet dead: their memory is still in use until the kill completes.
         self._retiring: list[Resident] = []
         self.grace_s = grace_s
+        self.forget = forget  # drops a retired member's keeper record (runner.keepers)
 
     def get(self, key: MemberKey) -> Resident | None:
         return self._residents.get(key)
@@ -102,6 +105,30 @@ class ResidentPool:
                 await r.aclose()
             except Exception:  # noqa: BLE001
                 pass
+            if r.keeper is not None and self.forget is not None:
+                try:
+                    await self.forget(r.key)
+                except Exception as exc:  # noqa: BLE001 - a stale record is refused at the next start
+                    log.warning("resident.forget_failed", error=repr(exc))
+
+    async def detach_all(self) -> int:
+        """Daemon shutdown (SPEC 14): end our attaches only; keepers and CLIs live on and the
+        next daemon re-adopts them. A resident without a keeper is retired."""
+        n = 0
+        for key in list(self._residents):
+            r = self._residents[key]
+            if r.keeper is None:
+                await self.retire(key, "daemon shutdown")
+                continue
+            self._residents.pop(key, None)
+            with anyio.CancelScope(shield=True):
+                try:
+                    await r.keeper.channel.detach()
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("resident.detach_failed", error=repr(exc))
+            n += 1
+        log.info("residents.detached", n=n)
+        return n
 
     async def retire_where(self, pred: Callable[[Resident], bool], why: str) -> int:
         n = 0

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import anyio
 import structlog
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from drivers.models import DriverOptions
 from images.identity import carries_bridge, image_tag
@@ -33,14 +33,17 @@ from runner.job_stream import JobStream
 from runner.member_locks import MemberLocks
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
+from runner.keepers import Keepers
+from runner.readopt import Pending, readopt
 from runner.resident_memory import ResidentMemory
 from runner.residents import Resident, ResidentPool
 from runner.sweeps import Sweeps
-from runner.turn import TestHooks, TurnRunner
+from runner.turn import Detached, TestHooks, TurnRunner
 from sandbox_manager.engine import DockerEngine, Engine
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
 from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job
-from state.receipts import Outcome, Receipt
+from state.keepers import KeeperRecord
+from state.receipts import Outcome, Receipt, SandboxInfo, Timings
 from state.records import SandboxState
 from state.backends import open_store
 from state.contract import Fenced, StoreContract, StoreUnavailable
@@ -91,7 +94,8 @@ class Supervisor:
         self.manager = manager
         self.gateway_url = gateway_url
         self.owner = uuid.uuid4().hex
-        self.pool = ResidentPool()
+        self.keepers = Keepers(store, manager, buffer_bytes=settings.keeper_buffer_bytes)
+        self.pool = ResidentPool(forget=self.keepers.forget)
         self.hooks = hooks or TestHooks()
         self.metrics = Metrics()  # the daemon's one registry: every metric below joins it
         self.model_path = ModelPath(settings, gateway_url, store, manager, rewrite=self.hooks.rewrite_model_request,
@@ -108,7 +112,8 @@ class Supervisor:
                                  models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks,
-                                 driver_options=driver_options(settings), launch_gate=self.memory.launching)
+                                 driver_options=driver_options(settings), launch_gate=self.memory.launching,
+                                 keepers=self.keepers)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self._jobs: dict[tuple[str, str], _Job] = {}
         self.deletions = ChatDeletions()
@@ -117,29 +122,78 @@ class Supervisor:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def recover(self) -> None:
-        """After a restart: jobs a dead daemon left running never ran to commit; close them
-        as not_settled (never re-run: the CLI may already have sent the message), and kill
-        CLI processes the dead daemon left in retained sandboxes."""
+    async def recover(self) -> list[Pending]:
+        """After a restart (SPEC 14): re-adopt the keepers whose identity matches (their
+        residents serve the next turn LIVE); the turns in flight on them are returned, to be
+        finished. Other jobs a dead daemon left running never ran to commit: close them as
+        not_settled (never re-run: the CLI may already have sent the message). Kill the CLI
+        processes left in retained sandboxes that no re-adopted keeper owns."""
         # only this host's jobs: in a fleet the store holds every host's (SPEC 16)
-        for rec in await self.store.running_jobs(not_owner=self.owner, host_id=self.manager.config.host_id):
+        running = await self.store.running_jobs(not_owner=self.owner, host_id=self.manager.config.host_id)
+        keep: dict[str, set[str]] = {}
+        pending: list[Pending] = []
+        records: dict[tuple[str, str, str], KeeperRecord] = {}
+        try:
+            adoption, records = await readopt(self.runner, {r.job_id for r in running})
+            keep, pending = adoption.keep_dirs(records), adoption.pending
+        except Exception as exc:  # noqa: BLE001 - the engine may be down: nothing adopted, all reaped
+            log.warning("readopt.failed", error=repr(exc))
+        finishing = {p.job.job_id for p in pending}
+        for rec in running:
+            if rec.job_id in finishing:
+                continue
             member = await self.store.get_member(rec.user_id, rec.chat_id, rec.member_id)
             now = datetime.now(UTC)
+            known = await self._known_of(records.get((rec.user_id, rec.chat_id, rec.member_id)), rec.job_id)
+            fields: dict[str, Any] = {"context_status": None, "started_at": rec.created_at, **known}
             receipt = Receipt(job_id=rec.job_id, user_id=rec.user_id, chat_id=rec.chat_id, member_id=rec.member_id,
-                              runtime=member.runtime if member else "unknown", context_status=None,
+                              runtime=member.runtime if member else "unknown",
                               outcome=Outcome.NOT_SETTLED, reason="daemon_restarted",
                               locator_before=member.locator.id if member and member.locator else None,
                               locator_after=member.locator.id if member and member.locator else None,
-                              started_at=rec.created_at, finished_at=now)
+                              finished_at=now, **fields)
             await self.store.finish_job(rec.user_id, rec.job_id, receipt.model_dump_json(), None)
             log.warning("job.abandoned", job_id=rec.job_id, owner=rec.owner)
         try:
-            n = await self.manager.reap_orphans()
+            n = await self.manager.reap_orphans(keep=keep)
         except Exception as exc:  # noqa: BLE001 - the engine may be down; readiness says so
             log.warning("reap_orphans.failed", error=repr(exc))
             n = 0
         if n:
             log.info("orphans.reaped", groups=n)
+        return pending
+
+    async def _known_of(self, keeper: KeeperRecord | None, job_id: str) -> dict[str, Any]:
+        """What a turn that cannot be finished still reports (SPEC 14): the status its stream
+        said, its sandbox, image, CLI version and the timings measured before it."""
+        if keeper is None or keeper.turn is None or Job.model_validate_json(keeper.turn.job_json).job_id != job_id:
+            return {}
+        sb = await self.store.get_sandbox(keeper.user_id, keeper.chat_id)
+        return {"context_status": keeper.turn.context_status, "started_at": keeper.turn.started_at,
+                "timings_ms": Timings.model_validate_json(keeper.turn.timings_json),
+                "cli_version": keeper.session.get("cli_version"),
+                "sandbox": SandboxInfo(container_id=keeper.container_id,
+                                       image_id=sb.image_id if sb and sb.container_id == keeper.container_id else None)}
+
+    async def _finish(self, p: Pending, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                      ) -> None:
+        """Finish a turn in flight at the last restart, under the member's lock."""
+        assert p.record.turn is not None
+        async with self.locks.hold(p.key):
+            task_status.started()
+            try:
+                receipt = await self.runner.finish(p.job, p.record.turn)
+                self.metrics.observe(receipt)
+                log.info("job.finished_after_restart", job_id=p.job.job_id, outcome=receipt.outcome)
+            except Detached:
+                pass  # shutting down again: the next daemon finishes it
+            except Exception as exc:  # noqa: BLE001 - a bug must not take the daemon down
+                log.exception("job.finish_crashed", job_id=p.job.job_id, error=repr(exc))
+                try:
+                    await self.pool.retire(p.key, "finish crashed")
+                    await self._close_unsettled(p.job, "daemon_restarted")
+                except Exception:  # noqa: BLE001
+                    pass
 
     async def _beat_loop(self) -> None:
         while True:
@@ -188,9 +242,11 @@ class Supervisor:
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Supervisor"]:
         await self.store.open()  # PostgreSQL: connect and migrate (SQLite: already open)
-        await self.recover()
         await self.capacity.load(self.store)
         async with anyio.create_task_group() as tg, self.model_path.running():
+            # inside the model path: a turn being finished needs its socket back
+            for p in await self.recover():
+                await tg.start(self._finish, p)  # holds the member's lock before any job is admitted
             self._tg = tg
             tg.start_soon(self._beat_loop)
             tg.start_soon(self._idle_loop)
@@ -202,8 +258,11 @@ class Supervisor:
                 yield self
             finally:
                 with anyio.CancelScope(shield=True):
+                    # SPEC 14: residents live on under their keepers; turns in flight are
+                    # finished by the next daemon (ours end at once with Detached)
+                    self.runner.detaching = True
+                    await self.pool.detach_all()
                     await self._drain_jobs()
-                    await self.pool.retire_all("daemon shutdown")
                 tg.cancel_scope.cancel()
         self._tg = None
 
@@ -267,6 +326,10 @@ class Supervisor:
             entry.receipt = receipt
             self.metrics.observe(receipt)
             last = {"type": "receipt", "receipt": receipt.model_dump(mode="json")}
+        except Detached:
+            log.info("job.left_to_next_daemon", job_id=job.job_id)
+            last = {"type": "error", "error": "daemon_restarting",
+                    "detail": "the daemon stopped during the turn; the next one finishes it (GET the job)"}
         except Fenced:
             # the lease expired mid-turn: the store refused the commit; nothing was recorded
             log.error("job.commit_fenced", job_id=job.job_id)

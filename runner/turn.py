@@ -30,13 +30,15 @@ from drivers.models import (
     Settlement,
 )
 from drivers.registry import get_driver
-from drivers.session import NativeSession
+from drivers.session import NativeSession, TurnStart
 from drivers.transport import Transport
 from images.pins import load_pins
 from runner.processes import member_paths, start_in_sandbox
+from runner.keepers import Keepers
 from runner.residents import Resident, ResidentPool
 from runner.model_path import ModelPath
 from runner.transport import exec_transport
+from sandbox_manager.keeper import KeeperError
 from sandbox_manager.sandboxes import (
     ImageRefused,
     ModelGateNotReady,
@@ -46,6 +48,7 @@ from sandbox_manager.sandboxes import (
     SandboxRefused,
 )
 from state.jobs import Job
+from state.keepers import KeeperTurn
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
 from state.records import MemberRecord, SandboxState, SavedLocator
 from state.store import MemberOutcome, Store, VerifiedTurn
@@ -125,9 +128,12 @@ class TurnRunner:
     def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, model_path: ModelPath,
                  models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
                  hooks: TestHooks | None = None, driver_options: DriverOptions | None = None,
-                 launch_gate: LaunchGate | None = None,
+                 launch_gate: LaunchGate | None = None, keepers: Keepers | None = None,
                  drivers: Callable[[str, DriverOptions | None], Driver] = get_driver) -> None:
         self.store = store
+        self.keepers = keepers  # residents run under in-sandbox keepers (SPEC 14); None: plain execs
+        # daemon shutdown: turns in flight are left to the next daemon (never committed or retired here)
+        self.detaching = False
         self.manager = manager
         self.pool = pool
         self.model_path = model_path
@@ -221,6 +227,35 @@ class TurnRunner:
         self.model_path.begin(job)
         try:
             return await self._execute(ctx, key)
+        finally:
+            self.model_path.end(job)
+
+    async def finish(self, job: Job, turn: KeeperTurn) -> Receipt:
+        """SPEC 14: finish a turn the previous daemon began on a re-adopted keeper: re-read its
+        output from the offset where it began through the driver's tracker, settle it on the
+        CLI's own evidence, verify identity and commit once (the job is still ``running``)."""
+        key = (job.user_id, job.chat_id, job.member_id)
+        ctx = TurnContext(job=job, emit=lambda event: None, started_at=turn.started_at,
+                          timings=Timings.model_validate_json(turn.timings_json),
+                          status=ContextStatus(turn.context_status) if turn.context_status else None)
+        self.model_path.begin(job)  # the CLI's retried model request belongs to this job
+        try:
+            ctx.member = await self.store.get_member(*key)
+            resident = self.pool.get(key)
+            try:
+                ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id)
+            except (SandboxLost, ImageRefused, ModelGateNotReady) as exc:
+                await self.pool.retire(key, "sandbox lost before finishing")
+                return await self._commit(ctx, self._receipt(ctx, Outcome.NOT_SETTLED, reason="daemon_restarted",
+                                                             detail=str(exc)), None)
+            if resident is None or resident.keeper is None:
+                return await self._commit(ctx, self._receipt(ctx, Outcome.NOT_SETTLED, reason="daemon_restarted",
+                                                             detail="the keeper was not re-adopted"), None)
+            session, channel = resident.session, resident.keeper.channel
+            ctx.cli_version = session.cli_version
+            seen = channel.hello.written  # output the previous daemon may have read (and answered)
+            return await self._run(ctx, key, session, resume=session.load_start(turn.start_json),
+                                   answer=lambda: channel.offset > seen)
         finally:
             self.model_path.end(job)
 
@@ -333,18 +368,34 @@ class TurnRunner:
             launch: Launch = driver.plan_fork(member_paths(dirs), gateway, parent, pending.at_turn)
         else:
             launch = driver.plan(member_paths(dirs), gateway, resume)
+        keepers = self.keepers
+        host_init_pid = sandbox.container.attrs.get("State", {}).get("Pid") or None
         async with self.launch_gate(key, job.runtime) if self.launch_gate else nullcontext():
-            proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
-            mark("attached")
-            transport: Transport = exec_transport(proc.stream)
-            if self.hooks.wrap_transport is not None:
-                transport = self.hooks.wrap_transport(transport, job.runtime)
-            session = driver.session(transport, launch)
-            resident = Resident(key=key, runtime=job.runtime, session=session, container_id=sandbox.container_id,
-                                pidfile=proc.pidfile,
-                                kill=lambda: self.manager.kill_group(proc.container_id, proc.pidfile),
-                                aclose=proc.stream.aclose,
-                                host_init_pid=sandbox.container.attrs.get("State", {}).get("Pid") or None)
+            if keepers is not None:
+                try:
+                    handle = await keepers.start(sandbox, dirs, launch, job.member_id)
+                    mark("attached")
+                except KeeperError as exc:
+                    raise _NotStarted("keeper_unavailable", str(exc)) from None
+                transport: Transport = exec_transport(handle.channel)
+                if self.hooks.wrap_transport is not None:
+                    transport = self.hooks.wrap_transport(transport, job.runtime)
+                session = driver.session(transport, launch)
+                resident = Resident(key=key, runtime=job.runtime, session=session, container_id=sandbox.container_id,
+                                    pidfile=handle.paths.cli_pidfile,
+                                    kill=lambda: keepers.kill(handle.container_id, handle.run_dir),
+                                    aclose=handle.channel.detach, keeper=handle, host_init_pid=host_init_pid)
+            else:
+                proc = await start_in_sandbox(self.manager, sandbox, dirs, launch)
+                mark("attached")
+                transport = exec_transport(proc.stream)
+                if self.hooks.wrap_transport is not None:
+                    transport = self.hooks.wrap_transport(transport, job.runtime)
+                session = driver.session(transport, launch)
+                resident = Resident(key=key, runtime=job.runtime, session=session, container_id=sandbox.container_id,
+                                    pidfile=proc.pidfile,
+                                    kill=lambda: self.manager.kill_group(proc.container_id, proc.pidfile),
+                                    aclose=proc.stream.aclose, host_init_pid=host_init_pid)
             self.pool.add(resident)
         try:
             with anyio.fail_after(self.handshake_timeout_s):
@@ -364,9 +415,13 @@ class TurnRunner:
             raise
         ctx.cli_version = session.cli_version
         mark("handshake")
+        if resident.keeper is not None and keepers is not None:
+            await keepers.settle(key, job.runtime, resident.keeper, session)
         return session
 
-    async def _run(self, ctx: TurnContext, key: tuple[str, str, str], session: NativeSession) -> Receipt:
+    async def _run(self, ctx: TurnContext, key: tuple[str, str, str], session: NativeSession, *,
+                   resume: TurnStart | None = None, answer: Callable[[], bool] | None = None) -> Receipt:
+        """Run the turn (or, with ``resume``, finish one a previous daemon began: SPEC 14)."""
         job = ctx.job
         if ctx.status == ContextStatus.NEW:
             expected = session.expected or session.locator  # what the NEW handshake established
@@ -382,22 +437,40 @@ class TurnRunner:
                 mark("first_event")
             ctx.emit({"type": "event", **event.model_dump(exclude={"raw"})})
 
+        resident = self.pool.get(key)
+        keepers = self.keepers
+        if resident is not None and resident.keeper is not None and keepers is not None:
+            handle, t_ctx = resident.keeper, ctx
+
+            async def record_start(start: TurnStart) -> None:
+                await keepers.begin_turn(key, job.runtime, handle, session, job, start, status=t_ctx.status,
+                                         started_at=t_ctx.started_at, timings=t_ctx.timings)
+
+            session.before_turn = record_start
         t = time.monotonic()
         outcome: Settlement | NotSettled
         try:
             # The driver enforces the turn timeout itself (native interrupt first); this outer
             # scope only guards against a driver that fails to.
             with anyio.move_on_after(self.turn_timeout_s + 30) as watchdog:
-                outcome = await session.run_turn(job.message, emit=forward, timeout_s=self.turn_timeout_s)
+                if resume is not None:
+                    outcome = await session.resume_turn(resume, emit=forward, timeout_s=self.turn_timeout_s,
+                                                        answer=answer or (lambda: True))
+                else:
+                    outcome = await session.run_turn(job.message, emit=forward, timeout_s=self.turn_timeout_s)
             if watchdog.cancelled_caught:
                 outcome = NotSettled(reason=NotSettledReason.TIMEOUT, detail="runner watchdog")
         except BaseException:
+            if self.detaching and resident is not None and resident.keeper is not None:
+                raise  # the keeper keeps the turn's output; the next daemon finishes it
             with anyio.CancelScope(shield=True):
                 await self.pool.retire(key, "turn cancelled")
                 why = self.cancel_reasons.get((job.user_id, job.job_id), "cancelled")
                 receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason=why)
                 await self._commit(ctx, receipt, None)
             raise
+        if self.detaching and resident is not None and resident.keeper is not None:
+            raise Detached(job.job_id)  # our attach ended under the turn: not its outcome
         ctx.timings.turn = ctx.ms_since(t)
         mark("settled")
         if self.pool.get(key) is not None:
@@ -425,10 +498,21 @@ class TurnRunner:
         receipt = self._receipt(ctx, result, reason=reason, settlement=outcome, text=outcome.assistant_text,
                                 locator_after=observed.id)
         receipt = await self._commit(ctx, receipt, observed)
+        current = self.pool.get(key)
+        if current is not None and current.keeper is not None and keepers is not None:
+            try:
+                await keepers.settle(key, job.runtime, current.keeper, session)
+            except Exception as exc:  # noqa: BLE001 - committed already; an unrecorded keeper retires
+                log.warning("keeper.settle_failed", job_id=job.job_id, error=repr(exc))
+                await self.pool.retire(key, "keeper record failed")
         if outcome.retire_after and not self.hooks.disable_retire_after:
             # SPEC section 6: after a Claude api_retry, save the verified locator, then retire.
             await self.pool.retire(key, "retire_after (api_retry seen)")
         return receipt
+
+
+class Detached(Exception):
+    """The daemon is shutting down under a turn that runs on under its keeper (SPEC 14)."""
 
 
 class _NotStarted(Exception):

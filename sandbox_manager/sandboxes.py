@@ -447,17 +447,20 @@ class SandboxManager:
         except NotFound:
             pass
 
-    async def reap_orphans(self) -> int:
-        """On daemon start: kill CLI process groups left in retained, running sandboxes."""
+    async def reap_orphans(self, keep: dict[str, set[str]] | None = None) -> int:
+        """On daemon start: kill CLI process groups left in retained, running sandboxes, but
+        those in ``keep`` (container id -> member run dirs of re-adopted keepers)."""
         killed = 0
         script = (
-            f'for f in {MEMBERS_DIR}/*/run/*.pid; do [ -f "$f" ] || continue; pg=$(cat "$f"); '
+            f'for f in {MEMBERS_DIR}/*/run/*.pid; do [ -f "$f" ] || continue; d=${{f%/*}}; s=; '
+            'for k in "$@"; do [ "$k" = "$d" ] && s=1; done; [ -n "$s" ] && continue; pg=$(cat "$f"); '
             '[ -n "$pg" ] && kill -s KILL -- "-$pg" 2>/dev/null && echo "$pg"; rm -f "$f"; done; exit 0'
         )
         for info in await self.engine.list_labelled(f"{LABEL_HOST}={self.config.host_id}"):
             if not info.running:
                 continue
-            code, out = await self.engine.exec_run(info.id, ["sh", "-c", script])
+            kept = sorted((keep or {}).get(info.id, ()))
+            code, out = await self.engine.exec_run(info.id, ["sh", "-c", script, "sh", *kept])
             n = len(out.split())
             if n:
                 log.info("sandbox.reaped", container=info.name, groups=n)

@@ -1,0 +1,100 @@
+"""Residents under in-sandbox keepers (SPEC 14): start, record, acknowledge, re-attach.
+
+The keeper (``ca-keeper``) owns the CLI's stdio inside the sandbox and keeps its output by
+byte offset until acknowledged. The daemon acknowledges at turn boundaries only: when a turn
+begins (everything before it is the previous turns', committed) and after a turn committed.
+So while a turn runs, the keeper holds all of that turn's output and a new daemon can re-read
+it from the offset where the turn began. The store records, per member, the keeper's
+identity, the driver session's snapshot, the acknowledged offset and the turn in flight
+(``state.keepers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+
+from drivers.base import Launch
+from drivers.session import NativeSession, TurnStart
+from sandbox_manager import keeper_sandbox
+from sandbox_manager.engine import FileEntry
+from sandbox_manager.keeper import KeeperChannel, KeeperIdentity
+from sandbox_manager.keeper_sandbox import KeeperPaths
+from sandbox_manager.sandboxes import MemberDirs, Sandbox, SandboxManager
+from state.contract import StoreContract
+from state.jobs import Job
+from state.keepers import KeeperRecord, KeeperTurn
+from state.receipts import ContextStatus, Timings
+
+log = structlog.get_logger("keepers")
+
+MemberKey = tuple[str, str, str]
+
+
+@dataclass
+class KeeperHandle:
+    """Our attach to one member's keeper."""
+
+    channel: KeeperChannel
+    paths: KeeperPaths
+    container_id: str
+    run_dir: str
+
+
+class Keepers:
+    def __init__(self, store: StoreContract, manager: SandboxManager, *, buffer_bytes: int) -> None:
+        self.store = store
+        self.manager = manager
+        self.buffer_bytes = buffer_bytes
+
+    async def start(self, sandbox: Sandbox, dirs: MemberDirs, launch: Launch, member_id: str) -> KeeperHandle:
+        """Write the launch's files, then start the keeper and its CLI (one attached exec)."""
+        spec = launch.spec
+        files = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if f.overwrite]
+        keep = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if not f.overwrite]
+        await self.manager.prepare_files(sandbox, files, keep, [*spec.dirs, dirs.run_dir, dirs.home, dirs.workspace])
+        paths = KeeperPaths.in_run_dir(dirs.run_dir)
+        prefix = keeper_sandbox.run_prefix(paths, member=member_id, buffer_bytes=self.buffer_bytes)
+        argv = spec.launcher_argv(pidfile=paths.cli_pidfile, launcher=prefix)
+        # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
+        channel = await keeper_sandbox.start(self.manager.engine, sandbox.container_id, argv, env=dict(spec.env),
+                                             workdir="/home/agent")
+        return KeeperHandle(channel, paths, sandbox.container_id, dirs.run_dir)
+
+    async def attach(self, rec: KeeperRecord) -> KeeperHandle:
+        """Re-attach from the acknowledged offset; any keeper but the recorded one is refused
+        (``KeeperIdentityMismatch``) before anything of its output is read."""
+        paths = KeeperPaths.in_run_dir(rec.run_dir)
+        channel = await keeper_sandbox.attach(self.manager.engine, rec.container_id, paths, from_offset=rec.acked,
+                                              expect=KeeperIdentity.model_validate(rec.identity))
+        return KeeperHandle(channel, paths, rec.container_id, rec.run_dir)
+
+    async def kill(self, container_id: str, run_dir: str) -> None:
+        """End the keeper and the CLI's process group (whoever answers on those paths)."""
+        await keeper_sandbox.retire(self.manager.engine, container_id, KeeperPaths.in_run_dir(run_dir))
+
+    def _record(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession,
+                turn: KeeperTurn | None) -> KeeperRecord:
+        return KeeperRecord(user_id=key[0], chat_id=key[1], member_id=key[2], host_id=self.manager.config.host_id,
+                            runtime=runtime, container_id=handle.container_id, run_dir=handle.run_dir,
+                            identity=handle.channel.identity.model_dump(), session=session.snapshot(),
+                            acked=handle.channel.acked, turn=turn)
+
+    async def settle(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession) -> None:
+        """Between turns (after a handshake or a commit): everything read is committed."""
+        await handle.channel.ack()
+        await self.store.put_keeper(self._record(key, runtime, handle, session, None))
+
+    async def begin_turn(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession,
+                         job: Job, start: TurnStart, *, status: ContextStatus | None, started_at, timings: Timings
+                         ) -> None:
+        """Before the turn's opening is written: record where its output begins."""
+        await handle.channel.ack()
+        turn = KeeperTurn(job_json=job.model_dump_json(), start_json=start.model_dump_json(),
+                          offset=handle.channel.offset, context_status=status.value if status else None,
+                          started_at=started_at, timings_json=timings.model_dump_json())
+        await self.store.put_keeper(self._record(key, runtime, handle, session, turn))
+
+    async def forget(self, key: MemberKey) -> None:
+        await self.store.delete_keeper(*key)

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from runner.api_errors import error, path_ids
+from runner.captured_texts import fill_captured_texts
 from runner.diagnosis import Evidence, diagnose, wire_of
 from runner.host_view import host_view
 from runner.native_probe import probe_native_state
@@ -112,9 +113,11 @@ class InspectorRoutes:
             return error(404, "not_found", f"no turn {index}: the chat has {total}")
         member = await store.get_member(user_id, chat_id, turn.member_id)
         sandbox = await store.get_sandbox(user_id, chat_id)
+        history = await member_history(store, turn, user_id, chat_id)
+        wire = wire_of(turn.receipt)
+        await fill_captured_texts(store, user_id, chat_id, turn.job_id, wire, history)
         evidence = Evidence(user_id=user_id, chat_id=chat_id, turn=turn, host_id=self.sup.manager.config.host_id,
-                            wire=wire_of(turn.receipt), member=member, sandbox=sandbox,
-                            history=await member_history(store, turn, user_id, chat_id))
+                            wire=wire, member=member, sandbox=sandbox, history=history)
         if native:
             evidence.native = await probe_native_state(self.sup.engine, sandbox, member)
         return JSONResponse(diagnose(evidence).model_dump(mode="json"))

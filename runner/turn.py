@@ -260,7 +260,7 @@ class TurnRunner:
             self.model_path.end(job)
 
     async def _execute(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
-        job, emit = ctx.job, ctx.emit
+        emit = ctx.emit
         try:
             session = await self._prepare(ctx, key)
         except Refusal as r:

@@ -1,0 +1,59 @@
+"""The texts behind a wire gap's first difference, when the operator turned capture on.
+
+The wire verdict keeps digests only (SPEC 12); with ``CLOUD_AGENT_WIRE_CAPTURE=1`` the ledger
+also keeps each request's and reply's message texts for a while. The inspector shows the two
+texts of the first difference only when it can prove them: a captured text is used only if its
+sha256 is the digest the verdict names, so a purged, partial or unrelated capture shows
+nothing rather than a wrong text. The observed text is looked for in the diagnosed turn's own
+records, the expected one in that turn and the member's earlier turns (newest first).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from proxy.digest import sha256_text
+from state.receipts import Receipt
+
+if TYPE_CHECKING:
+    from runner.diagnosis import WireVerdict
+    from state.contract import StoreContract
+
+EARLIER_TURNS = 8  # how far back an expected text is looked for (a gap names a recent message)
+
+
+def _texts(capture_json: str | None) -> Iterable[str]:
+    if not capture_json:
+        return ()
+    try:
+        doc = json.loads(capture_json)
+    except ValueError:
+        return ()
+    messages = [*(doc.get("request") or []), *(doc.get("reply") or [])]
+    return (m["text"] for m in messages if isinstance(m, dict) and isinstance(m.get("text"), str))
+
+
+async def _find(store: StoreContract, user_id: str, chat_id: str, job_ids: Iterable[str], digest: str) -> str | None:
+    for job_id in job_ids:
+        for row in await store.wire_records_of_job(user_id, chat_id, job_id):
+            for text in _texts(row.capture_json):
+                if sha256_text(text) == digest:
+                    return text
+    return None
+
+
+async def fill_captured_texts(store: StoreContract, user_id: str, chat_id: str, job_id: str,
+                              wire: WireVerdict | None, history: list[Receipt]) -> None:
+    """Set ``expected_text``/``observed_text`` on the verdict of job ``job_id`` where the
+    capture proves them; ``history`` is the member's receipts up to that turn."""
+    diff = wire.first_difference if wire else None
+    if diff is None:
+        return
+    this = job_id
+    earlier = [r.job_id for r in reversed(history) if r.job_id != job_id][:EARLIER_TURNS]
+    if diff.observed_digest and diff.observed_text is None:
+        diff.observed_text = await _find(store, user_id, chat_id, [this], diff.observed_digest)
+    if diff.expected_digest and diff.expected_text is None:
+        diff.expected_text = await _find(store, user_id, chat_id, [this, *earlier], diff.expected_digest)

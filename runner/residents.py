@@ -24,7 +24,7 @@ class Resident:
     runtime: str
     session: NativeSession
     container_id: str
-    pidfile: str
+    pidfile: str  # names the group whose tree the memory budget reads (the keeper's, when there is one)
     kill: Callable[[], Awaitable[None]]  # kills the process group inside the sandbox
     aclose: Callable[[], Awaitable[None]]  # closes our end of the stream
     last_used: float = field(default_factory=time.monotonic)

@@ -18,6 +18,7 @@ from deploy.smoke import MESSAGES, STEPS, run_smoke
 from sandbox_manager.sandboxes import LABEL_HOST
 from tests.cli.attestation_helpers import REPO, git_head, wait_ready
 from tests.daemon_harness import TOKEN, daemon_settings, running_daemon
+from tests.support.store import rows as table_rows
 from tests.support.smoke_seams import forge_locator_of, remove_sandbox_after_stop
 from tests.supervisor_helpers import available_runtimes
 
@@ -46,8 +47,8 @@ def rows(lines: list[str]) -> dict[str, tuple[str, str]]:
 def assert_no_chat_left(store, docker_client, host_id: str) -> None:
     """Nothing of any smoke chat: no record of it, no container of this host in the engine."""
     for table in ("sandboxes", "members", "wire_records", "wire_turns", "placements"):
-        assert [r for r in store.raw_rows(table) if r["user_id"].startswith("smoke-")] == [], table
-    jobs = [r for r in store.raw_rows("jobs") if r["user_id"].startswith("smoke-")]
+        assert [r for r in table_rows(store, table) if r["user_id"].startswith("smoke-")] == [], table
+    jobs = [r for r in table_rows(store, "jobs") if r["user_id"].startswith("smoke-")]
     assert jobs and all(r["deleted_at"] and r["state"] == "done" for r in jobs)
     assert all(json.loads(r["receipt_json"])["assistant_text"] == "" for r in jobs)
     assert docker_client.api.containers(all=True, filters={"label": f"{LABEL_HOST}={host_id}"}) == []
@@ -131,5 +132,5 @@ async def test_an_interrupted_smoke_deletes_its_chat(fx, tmp_path, sandbox_image
         assert lines[-1].startswith("FAILED: ") and f"smoke.{runtime}.live" in lines[-1]
         assert_no_chat_left(d.daemon.supervisor.store, docker_client, s.resolved_host_id())
         # the daemon cancelled the interrupted turn as the chat was deleted
-        live = [r for r in d.daemon.supervisor.store.raw_rows("jobs") if r["job_id"].endswith("-live")]
+        live = [r for r in table_rows(d.daemon.supervisor.store, "jobs") if r["job_id"].endswith("-live")]
         assert len(live) == 1 and '"reason":"chat_deleted"' in live[0]["receipt_json"]

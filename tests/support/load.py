@@ -24,28 +24,37 @@ MiB = 1024 * 1024
 
 
 def cli_rss_of_container(init_pid: int) -> int:
-    """RSS of every process in the sandbox but its init's group (docker-init, ``sleep``): the
-    CLIs, their children and any exec'd helper, read from the host's /proc and the cgroup —
-    independently of the daemon's own bookkeeping."""
+    """RSS of every process in the sandbox but the sandbox's own: its init (docker-init) and the
+    container's command (``ca-modelgate``, the init's first child: keepers daemonize and are
+    re-parented to the init too, later; the command lives as long as the sandbox
+    runs, resident or not, so the running-sandbox limit bounds it, not the resident budget). What
+    is left is what the budget is for: the keepers, the CLIs, their children and any exec'd
+    helper, read from the host's /proc and the cgroup — independently of the daemon's own
+    bookkeeping."""
     from sandbox_manager.proc_memory import ProcMemory
 
     reader = ProcMemory(pss=False)
     procs_file = reader.cgroup_procs_file(init_pid)
     if procs_file is None:
         return 0
-    total = 0
     try:
         pids = [int(p) for p in procs_file.read_text().split()]
     except OSError:
         return 0
+    procs: list[tuple[int, int, int, int, str]] = []  # (pid, ppid, pgrp, start time, status) per live process
     for pid in pids:
         try:
             stat = open(f"/proc/{pid}/stat").read()
             status = open(f"/proc/{pid}/status").read()
         except OSError:
             continue
-        pgrp = int(stat[stat.rindex(")") + 2:].split()[2])
-        if pgrp == init_pid:
+        fields = stat[stat.rindex(")") + 2:].split()
+        procs.append((pid, int(fields[1]), int(fields[2]), int(fields[19]), status))
+    children = sorted((start, pid) for pid, ppid, _, start, _ in procs if ppid == init_pid)
+    own = {init_pid} | ({children[0][1]} if children else set())
+    total = 0
+    for _, _, pgrp, _, status in procs:
+        if pgrp in own:
             continue
         for line in status.splitlines():
             if line.startswith("VmRSS:"):

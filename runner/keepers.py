@@ -53,14 +53,17 @@ class Keepers:
         spec = launch.spec
         files = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if f.overwrite]
         keep = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if not f.overwrite]
-        await self.manager.prepare_files(sandbox, files, keep, [*spec.dirs, dirs.run_dir, dirs.home, dirs.workspace])
-        paths = KeeperPaths.in_run_dir(dirs.run_dir)
+        # The keeper's run dir is the member's own, not its home's: a fork that shares its
+        # source's home (SPEC 8) has a keeper of its own beside the source's, on another socket.
+        run_dir = self.manager.member_dirs(member_id).run_dir
+        await self.manager.prepare_files(sandbox, files, keep, [*spec.dirs, run_dir, dirs.home, dirs.workspace])
+        paths = KeeperPaths.in_run_dir(run_dir)
         prefix = keeper_sandbox.run_prefix(paths, member=member_id, buffer_bytes=self.buffer_bytes)
         argv = spec.launcher_argv(pidfile=paths.cli_pidfile, launcher=prefix)
         # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
         channel = await keeper_sandbox.start(self.manager.engine, sandbox.container_id, argv, env=dict(spec.env),
                                              workdir="/home/agent")
-        return KeeperHandle(channel, paths, sandbox.container_id, dirs.run_dir)
+        return KeeperHandle(channel, paths, sandbox.container_id, run_dir)
 
     async def attach(self, rec: KeeperRecord) -> KeeperHandle:
         """Re-attach from the acknowledged offset; any keeper but the recorded one is refused

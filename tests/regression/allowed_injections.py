@@ -68,6 +68,10 @@ CLI_ANNOTATIONS: dict[str, list[re.Pattern[str]]] = {
     "kilo": [
         re.compile(r"\s*<environment_details>\nMessage time: \d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z\n"
                    r"Working directory: [^\n]*\nWorkspace root folder: [^\n]*\n</environment_details>\s*"),
+        # after its own compaction (CLOUD_AGENT_NATIVE_COMPACTION=on): the switch back from its
+        # compaction agent, on the user messages of the retried request (measured on Kilo 7.7.7)
+        re.compile(r"<system-reminder>\nThe active agent has changed from compaction to code\.\n"
+                   r"This supersedes earlier agent-switch reminders\. [^<]*</system-reminder>"),
     ],
 }
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from deploy.loopback import RecordedRequest, annotations
 from drivers.launch import LaunchSpec
-from drivers.transport import Transport
+from drivers.transport import Transport, TransportWrapper
 from tests.regression.allowed_injections import CLI_ANNOTATIONS, LAUNCH_PROGRAMS, LAUNCH_PROSE, WIRE_PROSE, is_prose
 
 
@@ -88,26 +88,10 @@ class WireRecorder:
         return self.frames[mark:]
 
 
-class _Delegating:
+class _Delegating(TransportWrapper):
     def __init__(self, inner: Transport, runtime: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.runtime = runtime
-
-    async def send(self, line: bytes) -> None:
-        await self.inner.send(line)
-
-    async def receive(self) -> bytes | None:
-        return await self.inner.receive()
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-    def diagnostics(self) -> str:
-        return self.inner.diagnostics()
 
     def __getattr__(self, name: str) -> Any:  # e.g. exec_id, aclose of the exec stream
         return getattr(self.inner, name)

@@ -9,7 +9,6 @@ threads so the daemon's event loop never waits on the engine.
 from __future__ import annotations
 
 import io
-import math
 import tarfile
 import threading
 import time
@@ -18,7 +17,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -328,32 +326,32 @@ class DockerEngine:
     @asynccontextmanager
     async def follow_events(self, filters: dict[str, list[str]]) -> AsyncIterator[Any]:
         """The engine's event stream, connected when this is entered: an async iterator of event
-        dicts that ends when the engine closes the stream. One worker thread reads the SDK's
-        blocking stream; leaving the block closes it (which ends that thread's read)."""
+        dicts that ends when the engine closes the stream. Each event is pulled by one worker
+        thread that only reads and returns: it never calls back into the event loop, so a read
+        that wakes after the loop has stopped (leaving the block closes the stream, which ends
+        the read) finishes on its own instead of waiting for ever on a loop that is gone — a
+        worker waiting so kept the process from exiting."""
         stream = await self._call(lambda c: c.api.events(decode=True, filters=filters))
-        send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+        reader = iter(stream)
+        one_reader = anyio.CapacityLimiter(1)
 
-        def pump() -> None:
+        def read_one() -> dict[str, Any] | None:
             try:
-                for event in stream:
-                    anyio.from_thread.run_sync(send.send_nowait, event)
+                return next(reader, None)
             except Exception:  # noqa: BLE001 - closed under us, the engine went away: the end
-                pass
-            finally:
-                try:
-                    anyio.from_thread.run_sync(send.close)
-                except Exception:  # noqa: BLE001 - the loop is gone already
-                    pass
+                return None
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(partial(anyio.to_thread.run_sync, pump, abandon_on_cancel=True,
-                                  limiter=anyio.CapacityLimiter(1)))
-            try:
-                async with receive:
-                    yield receive
-            finally:
-                stream.close()
-                tg.cancel_scope.cancel()
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            while (event := await anyio.to_thread.run_sync(
+                    read_one, abandon_on_cancel=True, limiter=one_reader)) is not None:
+                yield event
+
+        iterator = events()
+        try:
+            yield iterator
+        finally:
+            stream.close()
+            await iterator.aclose()
 
     def close(self) -> None:
         with self._client_lock:

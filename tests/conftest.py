@@ -99,3 +99,16 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest 
     terminalreporter.section("suite durations")
     for suite, seconds in sorted(_SUITE_SECONDS.items()):
         terminalreporter.write_line(f"{suite:<24} {seconds:8.1f} s  ({_SUITE_COUNTS.get(suite, 0)} tests)")
+
+
+EXIT_WATCHDOG_S = 300
+
+
+def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest hook
+    """A thread left waiting at interpreter exit (threading._shutdown joins every non-daemon
+    thread) hangs the run after its summary, and CI only sees a timeout. If the process has not
+    exited EXIT_WATCHDOG_S after the session, print every thread's stack and exit non-zero."""
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True, file=sys.stderr)

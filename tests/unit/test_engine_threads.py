@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import anyio
 import docker
 import pytest
 
@@ -93,4 +94,49 @@ async def test_the_event_stream_is_opened_in_a_worker_thread_and_read_to_its_end
         got = [e async for e in events]
     assert got == [{"Action": "die", "id": "c1"}, {"Action": "start", "id": "c2"}]
     assert CALLS == [("negotiate", False), ("events decode=True filters=['type']", False)]
+    engine.close()
+
+
+class BlockingEvents:
+    """An engine event stream that gives its events, then blocks in its read until closed (as the
+    SDK's does on a live connection); the read that close wakes ends the stream."""
+
+    def __init__(self, events: list[dict]) -> None:
+        self.events, self.closed = list(events), threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.events:
+            return self.events.pop(0)
+        self.closed.wait(10)
+        raise OSError("the stream's socket was shut down")
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+async def test_the_event_reader_never_waits_on_the_event_loop(monkeypatch) -> None:
+    """The worker thread that reads the stream must not call back into the loop: a read woken by
+    close after the loop stopped would wait for ever on it, and that non-daemon thread kept the
+    test process (and a daemon at SIGTERM) from exiting."""
+    stream = BlockingEvents([{"Action": "die", "id": "c1"}, {"Action": "start", "id": "c2"}])
+    monkeypatch.setattr(docker, "DockerClient", FakeClient)
+    monkeypatch.setattr(FakeApi, "events", lambda self, decode, filters: stream)
+    called_back: list[str] = []
+    real_run_sync = anyio.from_thread.run_sync
+    monkeypatch.setattr(anyio.from_thread, "run_sync",
+                        lambda func, *a, **k: (called_back.append(getattr(func, "__name__", "?")),
+                                               real_run_sync(func, *a, **k))[1])
+    engine = DockerEngine("unix:///nowhere/docker.sock")
+    got: list[dict] = []
+    with anyio.move_on_after(1) as scope:
+        async with engine.follow_events({"type": ["container"]}) as events:
+            async for event in events:
+                got.append(event)
+    assert scope.cancelled_caught  # the stream stayed open until the block was left
+    assert got == [{"Action": "die", "id": "c1"}, {"Action": "start", "id": "c2"}]
+    assert stream.closed.is_set()
+    assert called_back == []
     engine.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 import structlog
 
 from images.identity import DOCKERFILE, helper_files, image_labels, image_tag, input_hash
-from images.pins import Pins, load_pins
+from images.pins import PINS_FILE, Pins, load_pins
 
 log = structlog.get_logger("image")
 
@@ -57,12 +57,12 @@ class BuildPlan:
         return image_labels(self.pins, self.tag)
 
 
-def plan(work_dir: Path = DEFAULT_WORK_DIR) -> BuildPlan:
-    pins = load_pins()
+def plan(work_dir: Path = DEFAULT_WORK_DIR, pins_file: Path = PINS_FILE) -> BuildPlan:
+    pins = load_pins(pins_file)
     base_key = input_hash(pins.base.model_dump_json().encode())[:12]
     npm_key = input_hash(pins.node.model_dump_json().encode(),
                          json.dumps({k: v.spec for k, v in sorted(pins.cli.items())}).encode())[:12]
-    return BuildPlan(pins=pins, tag=image_tag(), base_tag=f"{BASE_REPO}:{base_key}",
+    return BuildPlan(pins=pins, tag=image_tag(pins_file), base_tag=f"{BASE_REPO}:{base_key}",
                      npm_key=npm_key, work_dir=work_dir)
 
 
@@ -278,13 +278,15 @@ def verify(tag: str, pins: Pins | None = None) -> dict[str, str]:
     return seen
 
 
-def ensure_image(work_dir: Path = DEFAULT_WORK_DIR, *, force: bool = False) -> str:
-    """Build the image for the current inputs unless it already exists; return its tag.
+def ensure_image(work_dir: Path = DEFAULT_WORK_DIR, *, force: bool = False, pins_file: Path = PINS_FILE) -> str:
+    """Build the image for the inputs unless it already exists; return its tag.
 
+    ``pins_file``: the product's pins by default; another file (e.g. the upgrade test's, which
+    moves one CLI pin) builds a second image with its own tag, cached like the first.
     Concurrent callers (test sessions, the demo) serialise on a lock file: the build
     context is shared and rewritten in place.
     """
-    p = plan(work_dir)
+    p = plan(work_dir, pins_file)
     if not force and _image_exists(p.tag):
         log.info("image.ready", tag=p.tag, built=False)
         return p.tag
@@ -314,13 +316,26 @@ def main(argv: list[str] | None = None) -> int:
     from telemetry.logs import configure_logging
 
     configure_logging()
-    args = argv if argv is not None else sys.argv[1:]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m images.build", description="build the sandbox image")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
+    parser.add_argument("--pins", type=Path, default=PINS_FILE, help="pins file (default: images/pins.toml)")
+    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    if not args.pins.is_file():
+        print(f"pins: no such file: {args.pins}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
     try:
-        tag = ensure_image(force="--force" in args)
+        tag = ensure_image(force=args.force, pins_file=args.pins)
     except ImageBuildError as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    except ValueError as exc:  # a malformed pins file (pydantic names the field)
+        print(f"pins: {exc}", file=sys.stderr)
+        return 2
     print(tag)
+    print(f"image ready in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0
 
 

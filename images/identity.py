@@ -37,9 +37,10 @@ def carries_bridge(pins: Pins) -> bool:
     return (HELPERS_DIR / pins.helper.name).is_file()
 
 
-def image_tag() -> str:
-    """The tag the current inputs build (what the supervisor runs)."""
-    parts = [PINS_FILE.read_bytes(), DOCKERFILE.read_bytes()]
+def image_tag(pins_file: Path = PINS_FILE) -> str:
+    """The tag the inputs build (default: the product's pins, what the supervisor runs). Another
+    pins file (an upgrade test's) names another image: the tag digests the file's bytes."""
+    parts = [pins_file.read_bytes(), DOCKERFILE.read_bytes()]
     for f in helper_files():
         parts += [f.name.encode(), f.read_bytes()]
     return f"{IMAGE_REPO}:{input_hash(*parts)[:16]}"

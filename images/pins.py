@@ -64,7 +64,13 @@ class Pins(_Frozen):
         return labels
 
 
-@lru_cache(maxsize=1)
+def cli_version_from_labels(labels: dict[str, str], runtime: str) -> str | None:
+    """The CLI version an image carries, from its pin label (``package@version``)."""
+    spec = labels.get(f"org.cloud-agent.cli.{runtime}")
+    return spec.rsplit("@", 1)[1] if spec and "@" in spec[1:] else None
+
+
+@lru_cache(maxsize=4)
 def load_pins(path: Path = PINS_FILE) -> Pins:
     with path.open("rb") as fh:
         return Pins.model_validate(tomllib.load(fh))

@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     img = sub.add_parser("image", help="sandbox image")
     img.add_argument("action", choices=["build"])
     img.add_argument("--force", action="store_true")
+    img.add_argument("--pins", help="pins file (default: the product's images/pins.toml)")
     return p
 
 
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "image":
         from images.build import main as build_main
 
-        return build_main(["--force"] if args.force else [])
+        return build_main((["--force"] if args.force else []) + (["--pins", args.pins] if args.pins else []))
     if args.command == "demo":
         from runner.demo import main as demo_main
 

@@ -30,6 +30,23 @@ def now() -> datetime:
 
 
 @dataclass(frozen=True)
+class VerifiedIn:
+    """Where a member's native state was verified: the container, its image, the CLI's version
+    (the member's ``last_*`` fields; a later turn elsewhere is a recreation or an upgrade, SPEC 15)."""
+
+    container_id: str | None = None
+    image_id: str | None = None
+    cli_version: str | None = None
+
+
+def fork_where(source: MemberRecord, where: VerifiedIn | None) -> tuple[str | None, str | None, str | None]:
+    """A fork's native state was verified where the fork was made (``where``), else where its
+    source's was (a lazy fork: nothing is made until its first turn)."""
+    w = where or VerifiedIn(source.last_container_id, source.last_image_id, source.last_cli_version)
+    return (w.container_id, w.image_id, w.cli_version)
+
+
+@dataclass(frozen=True)
 class VerifiedTurn:
     """A settled turn whose observed locator equalled the expected one (or a NEW one).
 
@@ -37,6 +54,7 @@ class VerifiedTurn:
     """
 
     locator: SavedLocator
+    where: VerifiedIn | None = None  # None: where is not known (the member's last_* become NULL)
 
 
 @dataclass(frozen=True)
@@ -134,7 +152,7 @@ class StoreContract(Protocol):
                             forked_from: str | None = None) -> MemberRecord: ...
     async def create_fork_member(self, source: MemberRecord, member_id: str, *, home_member_id: str,
                                  locator: SavedLocator | None, settled_turns: int,
-                                 pending: PendingFork | None) -> MemberRecord | None: ...
+                                 pending: PendingFork | None, where: VerifiedIn | None = None) -> MemberRecord | None: ...
     async def mark_member_lost(self, user_id: str, chat_id: str, member_id: str, reason: str) -> None: ...
 
     # jobs

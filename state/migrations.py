@@ -109,6 +109,22 @@ MIGRATIONS: list[str] = [
     # 9: keepers (SPEC 14; state.keepers) — each resident's in-sandbox keeper: identity,
     # session snapshot, acknowledged offset, the turn in flight
     KEEPERS_SQL,
+    # 10: state volumes (SPEC 15) — the chat's volume (name, id); where each member's native
+    # state was last verified. Members settled before volumes existed were verified in the
+    # sandbox's current container on its current image (their CLI version is not known).
+    """
+    ALTER TABLE sandboxes ADD COLUMN volume_name TEXT;
+    ALTER TABLE sandboxes ADD COLUMN volume_id TEXT;
+    ALTER TABLE members ADD COLUMN last_container_id TEXT;
+    ALTER TABLE members ADD COLUMN last_image_id TEXT;
+    ALTER TABLE members ADD COLUMN last_cli_version TEXT;
+    UPDATE members SET
+        last_container_id = (SELECT s.container_id FROM sandboxes s
+                             WHERE s.user_id = members.user_id AND s.chat_id = members.chat_id),
+        last_image_id = (SELECT s.image_id FROM sandboxes s
+                         WHERE s.user_id = members.user_id AND s.chat_id = members.chat_id)
+        WHERE settled_turns > 0;
+    """,
 ]
 
 

@@ -35,6 +35,8 @@ from state.contract import (
     HostLease,
     MemberOutcome,
     StoreUnavailable,
+    VerifiedIn,
+    fork_where,
     now,
 )
 from state.migrations import MIGRATIONS
@@ -169,16 +171,17 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
         async def q(conn: Conn) -> None:
             await conn.execute(
                 "INSERT INTO sandboxes (user_id, chat_id, container_id, container_name, image_id, data_root_id,"
-                " host_id, state, lost_reason, stop_reason, created_at, last_used_at)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                " host_id, state, lost_reason, stop_reason, created_at, last_used_at, volume_name, volume_id)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
                 " ON CONFLICT (user_id, chat_id) DO UPDATE SET container_id=excluded.container_id,"
                 " container_name=excluded.container_name, image_id=excluded.image_id,"
                 " data_root_id=excluded.data_root_id, host_id=excluded.host_id, state=excluded.state,"
                 " lost_reason=excluded.lost_reason, stop_reason=excluded.stop_reason,"
-                " created_at=excluded.created_at, last_used_at=excluded.last_used_at",
+                " created_at=excluded.created_at, last_used_at=excluded.last_used_at,"
+                " volume_name=excluded.volume_name, volume_id=excluded.volume_id",
                 (rec.user_id, rec.chat_id, rec.container_id, rec.container_name, rec.image_id, rec.data_root_id,
                  rec.host_id, rec.state.value, rec.lost_reason, rec.stop_reason, rec.created_at.isoformat(),
-                 rec.last_used_at.isoformat()))
+                 rec.last_used_at.isoformat(), rec.volume_name, rec.volume_id))
 
         await self._tx(q)
 
@@ -245,16 +248,19 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
 
     async def create_fork_member(self, source: MemberRecord, member_id: str, *, home_member_id: str,
                                  locator: SavedLocator | None, settled_turns: int,
-                                 pending: PendingFork | None) -> MemberRecord | None:
+                                 pending: PendingFork | None, where: VerifiedIn | None = None) -> MemberRecord | None:
         async def q(conn: Conn) -> MemberRecord | None:
             ts = now().isoformat()
             cur = await conn.execute(
                 "INSERT INTO members (user_id, chat_id, member_id, runtime, locator_id, locator_path,"
-                " settled_turns, forked_from, home_member_id, pending_fork, created_at, updated_at)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT (user_id, chat_id, member_id) DO NOTHING",
+                " settled_turns, forked_from, home_member_id, pending_fork, created_at, updated_at,"
+                " last_container_id, last_image_id, last_cli_version)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                " ON CONFLICT (user_id, chat_id, member_id) DO NOTHING",
                 (source.user_id, source.chat_id, member_id, source.runtime, locator.id if locator else None,
                  locator.path if locator else None, settled_turns, source.member_id, home_member_id,
-                 pending.model_dump_json() if pending else None, ts, ts))
+                 pending.model_dump_json() if pending else None, ts, ts,
+                 *fork_where(source, where)))
             if cur.rowcount == 0:
                 return None
             row = await self._one(conn, self._MEMBER, (source.user_id, source.chat_id, member_id))
@@ -332,13 +338,14 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
             if member.wire is not None:
                 await postgres_put_turn(conn, member.wire)
             if member.verified is not None:
-                loc = member.verified.locator
+                v = member.verified
+                loc, at = v.locator, v.where or VerifiedIn()
                 await conn.execute(
                     "UPDATE members SET locator_id=%s, locator_path=%s, settled_turns=settled_turns+1,"
-                    " last_status=%s, last_outcome=%s, pending_fork=NULL, updated_at=%s WHERE user_id=%s"
-                    " AND chat_id=%s AND member_id=%s",
-                    (loc.id, loc.path, member.last_status, member.last_outcome, ts, job.user_id, job.chat_id,
-                     job.member_id))
+                    " last_status=%s, last_outcome=%s, pending_fork=NULL, updated_at=%s, last_container_id=%s,"
+                    " last_image_id=%s, last_cli_version=%s WHERE user_id=%s AND chat_id=%s AND member_id=%s",
+                    (loc.id, loc.path, member.last_status, member.last_outcome, ts, at.container_id, at.image_id,
+                     at.cli_version, job.user_id, job.chat_id, job.member_id))
             else:
                 await conn.execute(
                     "UPDATE members SET last_status=%s, last_outcome=%s, updated_at=%s WHERE user_id=%s"

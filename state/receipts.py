@@ -37,6 +37,17 @@ class SandboxInfo(BaseModel):
     container_id: str | None = None
     image_id: str | None = None
     helper_version: str | None = None
+    volume: str | None = Field(default=None, description="the chat's state volume (SPEC 15)")
+    recreated: bool = Field(default=False, description="the member's native state was last verified in another "
+                            "container: this one was created on the same volume since (container lost, image "
+                            "upgraded or sandbox migrated); the resume handshake confirmed the locator")
+
+
+class UpgradedFrom(BaseModel):
+    """The image (and CLI version) the member's native state was last verified on (SPEC 15)."""
+
+    image_id: str
+    cli_version: str | None = Field(default=None, description="unknown for turns settled before state volumes")
 
 
 class Timings(BaseModel):
@@ -82,6 +93,9 @@ class Receipt(BaseModel):
     assistant_text: str = ""
     sandbox: SandboxInfo = Field(default_factory=SandboxInfo)
     cli_version: str | None = None
+    upgraded_from: UpgradedFrom | None = Field(
+        default=None, description="set when the member's native state was last verified on another image: this "
+        "turn resumed it through the current image's CLI")
     timings_ms: Timings = Field(default_factory=Timings)
     wire: WireInfo | None = Field(default=None, description="the wire verdict; None on receipts written before "
                                   "the model proxy audited turns")

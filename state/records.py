@@ -29,6 +29,11 @@ class SandboxRecord(BaseModel):
     stop_reason: str | None = None  # set: kept stopped, turns refused with this reason
     created_at: datetime
     last_used_at: datetime
+    # The chat's state volume (SPEC 15): its name and the random id in its label and marker
+    # file. None: a sandbox made before state volumes (native state in the writable layer),
+    # migrated to a volume at its next turn.
+    volume_name: str | None = None
+    volume_id: str | None = None
 
 
 class SavedLocator(BaseModel):
@@ -67,6 +72,11 @@ class MemberRecord(BaseModel):
     pending_fork: PendingFork | None = None
     created_at: datetime
     updated_at: datetime
+    # Where the member's native state was last verified (its last committed verified turn):
+    # a later turn on another container is a recreated sandbox, on another image an upgrade.
+    last_container_id: str | None = None
+    last_image_id: str | None = None
+    last_cli_version: str | None = None
 
 
 class JobState(StrEnum):

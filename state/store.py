@@ -23,7 +23,9 @@ from state.contract import (
     Fenced,
     HostLease,
     MemberOutcome,
+    VerifiedIn,
     VerifiedTurn,
+    fork_where,
     now,
 )
 from state.migrations import migrate
@@ -120,11 +122,11 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         def q(db: sqlite3.Connection) -> None:
             db.execute(
                 "INSERT OR REPLACE INTO sandboxes (user_id, chat_id, container_id, container_name, image_id,"
-                " data_root_id, host_id, state, lost_reason, stop_reason, created_at, last_used_at)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                " data_root_id, host_id, state, lost_reason, stop_reason, created_at, last_used_at, volume_name,"
+                " volume_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rec.user_id, rec.chat_id, rec.container_id, rec.container_name, rec.image_id, rec.data_root_id,
                  rec.host_id, rec.state.value, rec.lost_reason, rec.stop_reason, rec.created_at.isoformat(),
-                 rec.last_used_at.isoformat()),
+                 rec.last_used_at.isoformat(), rec.volume_name, rec.volume_id),
             )
 
         await self._run(q)
@@ -210,18 +212,19 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
 
     async def create_fork_member(self, source: MemberRecord, member_id: str, *, home_member_id: str,
                                  locator: SavedLocator | None, settled_turns: int,
-                                 pending: PendingFork | None) -> MemberRecord | None:
+                                 pending: PendingFork | None, where: VerifiedIn | None = None) -> MemberRecord | None:
         """A new member whose native session is a fork of ``source``; None if the id is taken."""
 
         def q(db: sqlite3.Connection) -> MemberRecord | None:
             ts = now().isoformat()
             cur = db.execute(
                 "INSERT OR IGNORE INTO members (user_id, chat_id, member_id, runtime, locator_id, locator_path,"
-                " settled_turns, forked_from, home_member_id, pending_fork, created_at, updated_at)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                " settled_turns, forked_from, home_member_id, pending_fork, created_at, updated_at,"
+                " last_container_id, last_image_id, last_cli_version) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (source.user_id, source.chat_id, member_id, source.runtime, locator.id if locator else None,
                  locator.path if locator else None, settled_turns, source.member_id, home_member_id,
-                 pending.model_dump_json() if pending else None, ts, ts),
+                 pending.model_dump_json() if pending else None, ts, ts,
+                 *fork_where(source, where)),
             )
             if cur.rowcount == 0:
                 return None
@@ -305,12 +308,14 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             if member.wire is not None:
                 sqlite_put_turn(db, member.wire)
             if member.verified is not None:
-                loc = member.verified.locator
+                v = member.verified
+                loc, at = v.locator, v.where or VerifiedIn()
                 db.execute(
                     "UPDATE members SET locator_id=?, locator_path=?, settled_turns=settled_turns+1, last_status=?,"
-                    " last_outcome=?, pending_fork=NULL, updated_at=? WHERE user_id=? AND chat_id=? AND member_id=?",
-                    (loc.id, loc.path, member.last_status, member.last_outcome, ts, job.user_id, job.chat_id,
-                     job.member_id),
+                    " last_outcome=?, pending_fork=NULL, updated_at=?, last_container_id=?, last_image_id=?,"
+                    " last_cli_version=? WHERE user_id=? AND chat_id=? AND member_id=?",
+                    (loc.id, loc.path, member.last_status, member.last_outcome, ts, at.container_id, at.image_id,
+                     at.cli_version, job.user_id, job.chat_id, job.member_id),
                 )
             else:
                 db.execute(

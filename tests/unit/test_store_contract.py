@@ -11,10 +11,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from state.contract import Fenced, HostLease, MemberOutcome, StoreContract, VerifiedTurn, now
+from state.contract import Fenced, HostLease, MemberOutcome, StoreContract, VerifiedIn, VerifiedTurn, now
 from state.migrations import MIGRATIONS
 from state.postgres import PostgresStore
-from state.records import JobState, SandboxRecord, SandboxState, SavedLocator
+from state.records import JobState, PendingFork, SandboxRecord, SandboxState, SavedLocator
 from state.store import Store
 from tests.support.store import rows
 
@@ -213,6 +213,123 @@ async def test_a_stop_reason_is_kept_until_cleared_and_survives_a_rewrite(store:
     assert (await store.get_sandbox("u", "c")).stop_reason == "disk_quota"
     await store.set_stop_reason("u", "c", None)
     assert (await store.get_sandbox("u", "c")).stop_reason is None
+
+
+# -- state volumes (SPEC 15) -------------------------------------------------------------------
+
+
+def _sandbox(**kw: object) -> SandboxRecord:
+    ts = now()
+    base = dict(user_id="u", chat_id="c", container_id="C1", container_name="ca-x", image_id="sha256:A",
+                data_root_id="R", host_id="h", state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
+    return SandboxRecord(**{**base, **kw})
+
+
+async def test_sandbox_records_keep_their_volume(store: StoreContract) -> None:
+    await store.put_sandbox(_sandbox(volume_name="ca-x-home", volume_id="V1"))
+    got = await store.get_sandbox("u", "c")
+    assert (got.container_id, got.volume_name, got.volume_id) == ("C1", "ca-x-home", "V1")
+    # a replacement container on the same volume rewrites the record in place
+    await store.put_sandbox(got.model_copy(update={"container_id": "C2", "image_id": "sha256:B"}))
+    got = await store.get_sandbox("u", "c")
+    assert (got.container_id, got.image_id, got.volume_name, got.volume_id) == ("C2", "sha256:B", "ca-x-home", "V1")
+    await store.put_sandbox(_sandbox(chat_id="old"))  # made before volumes: no volume recorded
+    assert ((await store.get_sandbox("u", "old")).volume_name, (await store.get_sandbox("u", "old")).volume_id) \
+        == (None, None)
+
+
+async def test_verified_turns_record_where_the_native_state_was_verified(store: StoreContract) -> None:
+    await store.ensure_member("u", "c", "m", "claude")
+    m = await store.get_member("u", "c", "m")
+    assert (m.last_container_id, m.last_image_id, m.last_cli_version) == (None, None, None)
+    await store.claim_job("j1", "u", "c", "m", "d", "o")
+    await store.finish_job("u", "j1", "{}", MemberOutcome("NEW", "succeeded", VerifiedTurn(
+        SavedLocator(id="A"), VerifiedIn("C1", "sha256:A", "2.1.220"))))
+    # a turn that verified nothing (refused, not settled) leaves them where they were
+    await store.claim_job("j2", "u", "c", "m", "d", "o")
+    await store.finish_job("u", "j2", "{}", MemberOutcome("RESTORED", "not_settled", None))
+    m = await store.get_member("u", "c", "m")
+    assert (m.last_container_id, m.last_image_id, m.last_cli_version) == ("C1", "sha256:A", "2.1.220")
+    lazy = await store.create_fork_member(m, "f", home_member_id="m", locator=None, settled_turns=1,
+                                          pending=PendingFork(parent=SavedLocator(id="A")))
+    assert (lazy.last_container_id, lazy.last_image_id, lazy.last_cli_version) == ("C1", "sha256:A", "2.1.220")
+    eager = await store.create_fork_member(m, "g", home_member_id="g", locator=SavedLocator(id="G"),
+                                           settled_turns=1, pending=None, where=VerifiedIn("C9", "sha256:Z", "9"))
+    assert (eager.last_container_id, eager.last_image_id, eager.last_cli_version) == ("C9", "sha256:Z", "9")
+    await store.claim_job("j3", "u", "c", "m", "d", "o")
+    await store.finish_job("u", "j3", "{}", MemberOutcome("RESTORED", "succeeded", VerifiedTurn(
+        SavedLocator(id="A"), VerifiedIn("C2", "sha256:B", "2.1.332"))))
+    m = await store.get_member("u", "c", "m")
+    assert (m.last_container_id, m.last_image_id, m.last_cli_version, m.settled_turns) == \
+        ("C2", "sha256:B", "2.1.332", 2)
+
+
+def _volume_migration() -> int:
+    return next(i for i, sql in enumerate(MIGRATIONS) if "ADD COLUMN volume_name" in sql)
+
+
+async def test_the_volume_migration_backfills_members_settled_before_it(request, tmp_path, monkeypatch) -> None:
+    """A store made before state volumes: its settled members were verified in the sandbox's
+    current container on its current image; unsettled members and sandboxes get nothing."""
+    before = _volume_migration()
+    rows = [
+        "INSERT INTO sandboxes (user_id, chat_id, container_id, container_name, image_id, data_root_id, host_id,"
+        " state, created_at, last_used_at) VALUES ('u', 'c', 'C-old', 'ca-x', 'sha256:OLD', 'R', 'h', 'stopped',"
+        " '2026-01-01T00:00:00+00:00', '2026-01-01T00:00:00+00:00')",
+        "INSERT INTO members (user_id, chat_id, member_id, runtime, locator_id, settled_turns, created_at,"
+        " updated_at) VALUES ('u', 'c', 'm', 'codex', 'L', 3, '2026-01-01T00:00:00+00:00',"
+        " '2026-01-01T00:00:00+00:00')",
+        "INSERT INTO members (user_id, chat_id, member_id, runtime, settled_turns, created_at, updated_at)"
+        " VALUES ('u', 'c', 'fresh', 'pi', 0, '2026-01-01T00:00:00+00:00', '2026-01-01T00:00:00+00:00')",
+    ]
+    full = list(MIGRATIONS)
+    for backend in ("sqlite", "postgres"):
+        monkeypatch.setattr("state.migrations.MIGRATIONS", full[:before])
+        monkeypatch.setattr("state.postgres.MIGRATIONS", full[:before])
+        if backend == "sqlite":
+            old: StoreContract = Store(tmp_path / "old.db")
+        else:
+            old = PostgresStore(request.getfixturevalue("pg").create_database())
+        await old.open()
+        assert old.schema_version == before
+        url = getattr(old, "url", None)
+        await old.aclose()
+        _execute(tmp_path / "old.db" if url is None else url, rows)
+        monkeypatch.setattr("state.migrations.MIGRATIONS", full)
+        monkeypatch.setattr("state.postgres.MIGRATIONS", full)
+        new: StoreContract = Store(tmp_path / "old.db") if url is None else PostgresStore(url)
+        await new.open()
+        try:
+            assert new.schema_version == len(full), backend
+            sb = await new.get_sandbox("u", "c")
+            assert (sb.container_id, sb.volume_name, sb.volume_id) == ("C-old", None, None), backend
+            m = await new.get_member("u", "c", "m")
+            assert (m.last_container_id, m.last_image_id, m.last_cli_version) == ("C-old", "sha256:OLD", None), \
+                backend
+            f = await new.get_member("u", "c", "fresh")
+            assert (f.last_container_id, f.last_image_id) == (None, None), backend
+        finally:
+            await new.aclose()
+            if url is not None:
+                await anyio.to_thread.run_sync(request.getfixturevalue("pg").drop_database, url)
+
+
+def _execute(where: object, statements: list[str]) -> None:
+    """Raw SQL on a store at an older schema (its own store methods expect the newest one)."""
+    if isinstance(where, str):
+        import psycopg
+
+        with psycopg.connect(where) as conn:
+            for stmt in statements:
+                conn.execute(stmt)
+    else:
+        import sqlite3
+
+        db = sqlite3.connect(str(where))
+        with db:
+            for stmt in statements:
+                db.execute(stmt)
+        db.close()
 
 
 # -- hosts, leases, placement, fencing ----------------------------------------------------------

@@ -31,6 +31,7 @@ log = structlog.get_logger("engine")
 DATA_ROOT_VOLUME = "cloud-agent-dataroot-identity"
 DATA_ROOT_LABEL = "org.cloud-agent.dataroot-id"
 AGENT_UID = 1000
+AGENT_HOME = "/home/agent"
 
 
 class EngineError(Exception):
@@ -63,6 +64,7 @@ class ContainerSpec:
     nano_cpus: int = 2_000_000_000
     disk_bytes: int | None = None  # a writable-layer quota (storage drivers that support one)
     command: tuple[str, ...] = ("sleep", "infinity")
+    home_volume: str | None = None  # a named volume mounted read-write at the agent's home (SPEC 15)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,12 @@ class ImageInfo:
     id: str
     labels: dict[str, str]
     tags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VolumeInfo:
+    name: str
+    labels: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,14 @@ class Engine(Protocol):
     async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool: ...
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None: ...
     def follow_events(self, filters: dict[str, list[str]]) -> Any: ...
+    async def rename(self, container_id: str, name: str) -> None: ...
+    async def create_volume(self, name: str, labels: dict[str, str]) -> VolumeInfo: ...
+    async def inspect_volume(self, name: str) -> VolumeInfo: ...
+    async def remove_volume(self, name: str) -> None: ...
+    async def list_volumes(self, label: str) -> list[VolumeInfo]: ...
+    async def read_file(self, container_id: str, path: str) -> bytes: ...
+    async def put_root_file(self, container_id: str, path: str, content: bytes, mode: int = 0o444) -> None: ...
+    async def copy_tree(self, src_container: str, path: str, dst_container: str) -> None: ...
 
 
 def _to_info(c: Any) -> ContainerInfo:
@@ -238,7 +254,8 @@ class DockerEngine:
                 mem_limit=spec.memory_bytes, memswap_limit=spec.memory_bytes,
                 pids_limit=spec.pids_limit, nano_cpus=spec.nano_cpus,
                 detach=True, tty=False, stdin_open=False,
-                volumes={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+                volumes={**{m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+                         **({spec.home_volume: {"bind": AGENT_HOME, "mode": "rw"}} if spec.home_volume else {})},
                 **({"storage_opt": {"size": str(spec.disk_bytes)}} if spec.disk_bytes else {}),
             )
             c.reload()  # an engine round trip too: in this worker thread, not on the loop
@@ -352,6 +369,69 @@ class DockerEngine:
         finally:
             stream.close()
             await iterator.aclose()
+
+    async def rename(self, container_id: str, name: str) -> None:
+        await self._call(lambda c: c.api.rename(container_id, name))
+
+    # -- volumes and archives (state volumes, SPEC 15) ---------------------------------------
+
+    @staticmethod
+    def _volume(attrs: dict[str, Any]) -> VolumeInfo:
+        return VolumeInfo(name=attrs["Name"], labels=dict(attrs.get("Labels") or {}))
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> VolumeInfo:
+        """Create a named volume. The engine answers an existing name with the existing
+        volume unchanged: callers compare the labels they get back."""
+        return self._volume(await self._call(lambda c: c.api.create_volume(name, labels=labels)))
+
+    async def inspect_volume(self, name: str) -> VolumeInfo:
+        return self._volume(await self._call(lambda c: c.api.inspect_volume(name)))
+
+    async def remove_volume(self, name: str) -> None:
+        await self._call(lambda c: c.api.remove_volume(name))
+
+    async def list_volumes(self, label: str) -> list[VolumeInfo]:
+        out = await self._call(lambda c: c.api.volumes(filters={"label": label}))
+        return [self._volume(v) for v in (out or {}).get("Volumes") or []]
+
+    async def read_file(self, container_id: str, path: str) -> bytes:
+        """One small file, read through the archive API (no exec; the container may be stopped
+        or only created). NotFound when the file is absent."""
+
+        def run(client: docker.DockerClient) -> bytes:
+            bits, _ = client.api.get_archive(container_id, path)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
+                member = tar.next()
+                fh = tar.extractfile(member) if member is not None and member.isfile() else None
+                if fh is None:
+                    raise docker.errors.NotFound(f"{path} is not a regular file")
+                return fh.read()
+
+        return await self._call(run)
+
+    async def put_root_file(self, container_id: str, path: str, content: bytes, mode: int = 0o444) -> None:
+        """A file owned by root (the agent can read it, not rewrite it)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            ti = tarfile.TarInfo(path.lstrip("/"))
+            ti.size, ti.mode, ti.uid, ti.gid, ti.mtime = len(content), mode, 0, 0, time.time()
+            tar.addfile(ti, io.BytesIO(content))
+        data = buf.getvalue()
+        if not await self._call(lambda c: c.api.put_archive(container_id, "/", data)):
+            raise EngineError(f"put_archive into {container_id[:12]} failed")
+
+    async def copy_tree(self, src_container: str, path: str, dst_container: str) -> None:
+        """Stream the tree at ``path`` of one container into the same place of another
+        (ownership and modes kept; either may be stopped). The archive streams through in
+        chunks: a large workspace is never held in memory."""
+        parent = path.rstrip("/").rsplit("/", 1)[0] or "/"
+
+        def run(client: docker.DockerClient) -> None:
+            bits, _ = client.api.get_archive(src_container, path, chunk_size=1 << 20)
+            if not client.api.put_archive(dst_container, parent, bits):
+                raise docker.errors.APIError(f"put_archive of {path} into {dst_container[:12]} failed")
+
+        await self._call(run)
 
     def close(self) -> None:
         with self._client_lock:

@@ -9,6 +9,9 @@ and dropped the moment the engine says anything that could change them:
   pause, rename, update, oom, restart, ...) drops that container's facts;
 * an image ``delete``/``untag``, any event of the data-root marker volume, or a daemon
   event (reload) drops every fact;
+* a chat's state volume (SPEC 15) removed or created anew drops the facts of the container
+  checked on it (the engine refuses to remove a volume in use, so its container's destroy
+  comes first anyway; this keeps the rule local rather than relying on that);
 * the stream itself ending, failing or not yet connected (an engine restart, a reconnect)
   drops every fact, and no fact is kept until the stream is connected again.
 
@@ -36,6 +39,10 @@ EVENT_FILTERS = {"type": ["container", "image", "volume", "daemon"]}
 HARMLESS = frozenset({"exec_create", "exec_start", "exec_die", "exec_detach", "attach", "detach", "resize", "top",
                       "archive-path", "extract-to-dir", "export", "copy", "commit"})
 
+# volume actions that change what a state volume's check established (mount/unmount are
+# the container's own start and stop, seen as container events)
+VOLUME_GONE = frozenset({"destroy", "create"})
+
 
 @dataclass(frozen=True)
 class Facts:
@@ -44,6 +51,7 @@ class Facts:
     container: ContainerInfo
     image: ImageInfo
     data_root_id: str
+    volume: str | None = None  # the chat's state volume the check covered
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,9 @@ class IntegrityFacts:
         elif kind == "volume":
             if actor == DATA_ROOT_VOLUME:
                 self.forget_all()
+            elif action in VOLUME_GONE:
+                for cid in [cid for cid, f in self._facts.items() if f.volume == actor]:
+                    self.forget(cid)
         else:  # daemon (reload) or anything unknown
             self.forget_all()
 

@@ -1,23 +1,37 @@
-"""Retained sandboxes: one container per (user_id, chat_id), checked before every turn.
+"""Retained sandboxes: one container per (user_id, chat_id) on the chat's state volume,
+both checked before every turn.
 
-A chat's container is created once from the pinned image and kept (stopped when idle,
-its writable layer retained). Before every turn :meth:`SandboxManager.resolve` proves the
-container is the one recorded: same id, same identity labels, the same engine data root,
-an image with supported pins. A turn served by a live resident may take that proof from
-facts the engine's event stream keeps fresh (sandbox_manager/integrity.py): dropped by any
-event that could change them, and by any gap in the stream. Anything else is :class:`SandboxLost` with a named reason:
-losing the container or the data root loses the native state, and that is reported, never
-hidden by quietly creating a fresh container.
+A chat's container is created from the pinned image with a named volume mounted at the
+agent's home (workspace and native CLI state, SPEC 15) and kept (stopped when idle). Before
+every turn :meth:`SandboxManager.resolve` proves the sandbox is the one recorded: the same
+engine data root, the recorded volume (labels, mount, identity marker: ``sandbox_manager.
+volumes``) and a container with the recorded id and identity labels. Then:
+
+* the container is gone, the volume intact → a new container on the same volume
+  (``recreated``; each member resumes through its CLI's own handshake);
+* the container runs another image than the configured one → it is replaced by a container
+  from the configured image on the same volume (``upgraded``; the old container's resident
+  processes retired first). "Another image" is any image id other than the configured
+  one's, older or newer, whatever it carries: an image with unsupported pins or helper never
+  serves a turn, but its volume is upgraded all the same;
+* a sandbox made before state volumes (no volume recorded) is migrated once
+  (``sandbox_manager.migration``).
+
+A turn served by a live resident may take that proof from facts the engine's event stream
+keeps fresh (sandbox_manager/integrity.py): dropped by any event that could change them
+(the chat's volume removed included), and by any gap in the stream.
+
+Anything else is :class:`SandboxLost` with a named reason: losing the volume or the data
+root loses the native state, and that is reported, never hidden by a fresh volume.
 """
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import anyio
@@ -25,22 +39,43 @@ import structlog
 
 from images.checks import check_image_labels
 from sandbox_manager.disk_bound import DISK_QUOTA, DiskBound, SandboxRefused
+from images.pins import Pins, load_pins
 from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, Mount, NotFound
 from sandbox_manager.exec_stream import ExecStream
 from sandbox_manager.integrity import Facts, IntegrityFacts
+from sandbox_manager.identity import (
+    LABEL_CHAT,
+    LABEL_DATA_ROOT,
+    LABEL_HOST,
+    LABEL_IDENTITY,
+    LABEL_PREFIX,
+    LABEL_SANDBOX,
+    LABEL_USER,
+    LostReason,
+    Replaced,
+    SandboxLost,
+    container_name,
+    digest,
+    member_key,
+)
+from sandbox_manager.migration import ASIDE_SUFFIX, migrate
+from sandbox_manager.uses import ContainerUses
+from sandbox_manager.replacement import Replacement, replace
+from sandbox_manager.volumes import (
+    LABEL_VOLUME_ID,
+    MARKER_PATH,
+    check_marker,
+    check_mount,
+    check_volume,
+    marker_bytes,
+    volume_labels,
+    volume_name,
+)
 from state.records import SandboxRecord, SandboxState
 from state.store import Store, now
 from telemetry.turn_trace import mark
 
 log = structlog.get_logger("sandbox")
-
-LABEL_PREFIX = "org.cloud-agent"
-LABEL_SANDBOX = f"{LABEL_PREFIX}.sandbox"
-LABEL_IDENTITY = f"{LABEL_PREFIX}.identity"
-LABEL_USER = f"{LABEL_PREFIX}.user-digest"
-LABEL_CHAT = f"{LABEL_PREFIX}.chat-digest"
-LABEL_HOST = f"{LABEL_PREFIX}.host-id"
-LABEL_DATA_ROOT = f"{LABEL_PREFIX}.dataroot-id"
 
 AGENT_HOME = "/home/agent"
 WORKSPACE = f"{AGENT_HOME}/workspace"
@@ -56,50 +91,12 @@ MODEL_GATE_READY = "modelgate.listening"
 MODEL_GATE_COMMAND = ("ca-modelgate", "--socket", MODEL_SOCKET, "--listen", f"127.0.0.1:{MODEL_PORT}")
 
 
-class LostReason(StrEnum):
-    CONTAINER_MISSING = "container_missing"
-    CONTAINER_REPLACED = "container_replaced"
-    LABELS_MISMATCH = "labels_mismatch"
-    DATA_ROOT_CHANGED = "data_root_changed"
-    IMAGE_UNSUPPORTED = "image_unsupported"
-    SANDBOX_UNRECORDED = "sandbox_unrecorded"
-    PREVIOUSLY_LOST = "previously_lost"
-    WRONG_HOST = "wrong_host"
-    # Created before sandboxes were sealed (host networking, no model socket): it cannot be
-    # sealed in place, and recreating it would lose its native state (issue 15 recreates).
-    NOT_SEALED = "sandbox_not_sealed"
-
-
-class SandboxLost(Exception):
-    def __init__(self, reason: LostReason, detail: str = "") -> None:
-        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
-        self.reason = reason
-        self.detail = detail
-
-
 class ModelGateNotReady(Exception):
     """The container started but its model gate (ca-modelgate) did not report listening."""
 
 
 class ImageRefused(Exception):
     """The configured image does not carry the pinned versions: no sandbox is created from it."""
-
-
-def digest(*parts: str) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p.encode())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def container_name(user_id: str, chat_id: str) -> str:
-    # Derived from a hash of the ids: no raw user input ever reaches a container name.
-    return f"ca-{digest('sandbox', user_id, chat_id)[:24]}"
-
-
-def member_key(member_id: str) -> str:
-    return digest("member", member_id)[:16]
 
 
 @dataclass(frozen=True)
@@ -113,6 +110,20 @@ class SandboxConfig:
     require_helper: bool = True
     gate_ready_timeout_s: float = 20.0
     disk_bytes: int | None = None  # per-sandbox disk bound (quota where supported, else measured)
+    pins: Pins | None = None  # what the configured image must carry (None: images/pins.toml)
+    replace_wait_s: float = 900.0  # a replacement waits this long for turns on the old container
+
+    @property
+    def pinned(self) -> Pins:
+        return self.pins or load_pins()
+
+
+# Called with the old container's id before a replacement removes it: retire its residents.
+BeforeReplace = Callable[[str], Awaitable[object]]
+
+
+async def _nothing_resident(container_id: str) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,8 @@ class Sandbox:
     image: ImageInfo
     created: bool = False  # this call created it
     started: bool = False  # this call started it (it was stopped)
+    replaced: Replaced | None = None  # this call replaced the container (on the same volume)
+    replaced_image_id: str | None = None  # the image of the container it replaced
 
     @property
     def container_id(self) -> str:
@@ -130,6 +143,10 @@ class Sandbox:
     @property
     def helper_version(self) -> str | None:
         return self.image.labels.get("http-agent-live-bridge")
+
+    @property
+    def volume(self) -> str | None:
+        return self.record.volume_name
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,11 @@ class SandboxManager:
         self.engine = engine
         self.store = store
         self.config = config
+        self.uses = ContainerUses()
+        self._chat_locks: dict[tuple[str, str], anyio.Lock] = {}
+        # container id -> the StartedAt whose marker this daemon has read (SPEC 15: the mounts
+        # of a running container cannot change, so one read per start is enough)
+        self._marker_seen: dict[str, str] = {}
         self._watchers: list[SandboxWatcher] = []
         self.disk = DiskBound(engine, store, config.disk_bytes)
         # kept fresh by the engine's events while the supervisor runs IntegrityFacts.follow
@@ -174,6 +196,7 @@ class SandboxManager:
     def _changed(self, user_id: str, chat_id: str, state: SandboxState) -> None:
         for watcher in self._watchers:
             watcher(user_id, chat_id, state)
+
 
     async def data_root_id(self) -> str:
         """The engine data root's identity, created on first use. Never cached: the data root
@@ -204,28 +227,48 @@ class SandboxManager:
             raise ValueError("socket_root: the sandbox manager has no model socket directory configured")
         return Path(self.config.socket_root) / container_name(user_id, chat_id)
 
-    async def _gate_ready(self, info: ContainerInfo, since: float) -> None:
+    async def gate_ready(self, info: ContainerInfo, since: float) -> None:
         if not await self.engine.wait_log_line(info.id, MODEL_GATE_READY, since=since,
                                                timeout_s=self.config.gate_ready_timeout_s):
             raise ModelGateNotReady(f"{info.name}: ca-modelgate did not report listening within "
                                     f"{self.config.gate_ready_timeout_s}s")
 
     async def checked_image(self, ref: str) -> ImageInfo:
-        img = await self.engine.image(ref)
-        problems = check_image_labels(img.labels, require_helper=self.config.require_helper)
+        try:
+            img = await self.engine.image(ref)
+        except NotFound:
+            raise ImageRefused(f"image {ref} is not present in the engine") from None
+        problems = check_image_labels(img.labels, pins=self.config.pins, require_helper=self.config.require_helper)
         if problems:
             raise ImageRefused(f"image {ref} ({img.id[:19]}) refused: " + "; ".join(problems))
         return img
 
     # -- resolve ------------------------------------------------------------------------------
 
-    async def resolve(self, user_id: str, chat_id: str, *, create: bool = True, resident: bool = False) -> Sandbox:
-        """The chat's retained sandbox, running and integrity-checked, or SandboxLost.
+    def _chat_lock(self, user_id: str, chat_id: str) -> anyio.Lock:
+        return self._chat_locks.setdefault((user_id, chat_id), anyio.Lock())
+
+    async def resolve(self, user_id: str, chat_id: str, *, create: bool = True, resident: bool = False,
+                      before_replace: BeforeReplace = _nothing_resident) -> Sandbox:
+        """The chat's sandbox, running and integrity-checked, or SandboxLost.
 
         ``resident``: a live resident process of this chat serves the turn. Only then may the
         check be answered from facts the engine's event stream kept fresh (a turn that
         launches a process always checks against the engine).
+
+        The caller holds a use of the returned container until its turn ends
+        (:meth:`release`): a replacement by another member's turn waits for it.
         """
+        async with self._chat_lock(user_id, chat_id):
+            sandbox = await self._resolve(user_id, chat_id, create, resident, before_replace)
+            self.uses.acquire(sandbox.container_id)
+            return sandbox
+
+    def release(self, sandbox: Sandbox) -> None:
+        self.uses.release(sandbox.container_id)
+
+    async def _resolve(self, user_id: str, chat_id: str, create: bool, resident: bool,
+                       before_replace: BeforeReplace) -> Sandbox:
         rec = await self.store.get_sandbox(user_id, chat_id)
         mark("sandbox_record")
         if rec is None:
@@ -240,34 +283,69 @@ class SandboxManager:
             mark("integrity_cached")
             self._changed(user_id, chat_id, SandboxState.RUNNING)
             return Sandbox(record=rec, container=facts.container, image=facts.image)
-        token = self.integrity.token(rec.container_id)
         try:
-            info, image = await self._check(rec)
+            sandbox = await self._resolve_recorded(rec, before_replace)
         except SandboxLost as lost:
             await self.store.set_sandbox_state(user_id, chat_id, SandboxState.LOST, lost.reason.value)
             self._changed(user_id, chat_id, SandboxState.LOST)
             log.warning("sandbox.lost", container=rec.container_name, reason=lost.reason.value, detail=lost.detail)
             raise
+        self._changed(user_id, chat_id, SandboxState.RUNNING)
+        return sandbox
+
+    async def _resolve_recorded(self, rec: SandboxRecord, before_replace: BeforeReplace) -> Sandbox:
+        # taken before the check: facts whose check raced an invalidating event are not kept
+        token = self.integrity.token(rec.container_id)
+        await self._check_root(rec)
+        current = await self.checked_image(self.config.image)  # ImageRefused: nothing is judged lost
+        if rec.volume_name is None:
+            return self._replaced(await migrate(self, rec, current, before_replace), current)
+        await check_volume(self.engine, rec, self.identity_labels(rec.user_id, rec.chat_id, rec.data_root_id))
+        mark("volume_inspect")
+        try:
+            info = await self.engine.inspect(rec.container_id)
+        except NotFound:
+            # The volume holds the native state: a new container on it, each member RESTORED
+            # through its CLI's own resume handshake.
+            return self._replaced(await replace(self, rec, current, None, Replaced.RECREATED, before_replace), current)
+        mark("container_inspect")
+        self.check_identity(rec, info)
+        check_mount(rec, info)
         if rec.stop_reason == DISK_QUOTA:
-            await self.disk.recheck(rec)
+            await self.disk.recheck(rec)  # kept stopped (SandboxRefused) until under the bound
+        if info.image_id != current.id:
+            return self._replaced(await replace(self, rec, current, info, Replaced.UPGRADED, before_replace), current)
+        unsealed = self.unsealed(rec, info)
+        if unsealed:
+            log.info("sandbox.unsealed", container=rec.container_name, detail=unsealed)
+            return self._replaced(await replace(self, rec, current, info, Replaced.RESEALED, before_replace), current)
         started = False
         if not info.running:
             t = time.time()
+            await check_marker(self.engine, rec, info.id)
             await self.engine.start(info.id)
             info = await self.engine.inspect(info.id)
+            self.saw_marker(info)
             started = True
             log.info("sandbox.started", container=rec.container_name)
-            await self._gate_ready(info, t)
-        self.integrity.put(token, Facts(info, image, rec.data_root_id))
+            await self.gate_ready(info, t)
+        elif self._marker_seen.get(info.id) != started_at(info):
+            await check_marker(self.engine, rec, info.id)  # first sight of this run by this daemon
+            self.saw_marker(info)
+        self.integrity.put(token, Facts(info, current, rec.data_root_id, rec.volume_name))
         if started or rec.state != SandboxState.RUNNING:
             # the record says running again; a running one's last use is written with the turn's commit
-            await self.store.touch_sandbox(user_id, chat_id)
+            await self.store.touch_sandbox(rec.user_id, rec.chat_id)
             mark("sandbox_touched")
         rec = rec.model_copy(update={"state": SandboxState.RUNNING, "last_used_at": now()})
-        self._changed(user_id, chat_id, SandboxState.RUNNING)
-        return Sandbox(record=rec, container=info, image=image, started=started)
+        return Sandbox(record=rec, container=info, image=current, started=started)
 
-    async def _check(self, rec: SandboxRecord) -> tuple[ContainerInfo, ImageInfo]:
+    @staticmethod
+    def _replaced(done: Replacement, image: ImageInfo) -> Sandbox:
+        return Sandbox(record=done.record, container=done.container, image=image, started=True, replaced=done.why,
+                       replaced_image_id=done.replaced_image_id)
+
+    async def _check_root(self, rec: SandboxRecord) -> None:
         if rec.host_id != self.config.host_id:
             raise SandboxLost(LostReason.WRONG_HOST, f"recorded on host {rec.host_id}")
         current_root = await self.current_data_root_id()
@@ -276,40 +354,57 @@ class SandboxManager:
             raise SandboxLost(LostReason.DATA_ROOT_CHANGED,
                               f"created in data root {rec.data_root_id[:12]}, engine now has "
                               f"{(current_root or 'none')[:12]}")
-        try:
-            info = await self.engine.inspect(rec.container_id)
-        except NotFound:
-            raise SandboxLost(LostReason.CONTAINER_MISSING, f"container {rec.container_name} is gone") from None
-        mark("container_inspect")
+
+    def check_identity(self, rec: SandboxRecord, info: ContainerInfo) -> None:
+        """The container is the recorded one: same id, the chat's identity labels."""
         if info.id != rec.container_id:
             raise SandboxLost(LostReason.CONTAINER_REPLACED, f"{info.id[:12]} is not {rec.container_id[:12]}")
         want = self.identity_labels(rec.user_id, rec.chat_id, rec.data_root_id)
         bad = sorted(k for k, v in want.items() if info.labels.get(k) != v)
         if bad:
             raise SandboxLost(LostReason.LABELS_MISMATCH, "labels differ: " + ", ".join(bad))
-        self._check_sealed(rec, info)
-        try:
-            image = await self.engine.image(info.image_id)
-        except NotFound:
-            raise SandboxLost(LostReason.IMAGE_UNSUPPORTED, f"image {info.image_id[:19]} is gone") from None
-        # Attest from the image the container runs, never from container labels (which a
-        # create-time --label can override, protocols/image-build.md section 6).
-        problems = check_image_labels(image.labels, require_helper=self.config.require_helper)
-        if problems:
-            raise SandboxLost(LostReason.IMAGE_UNSUPPORTED, "; ".join(problems))
-        mark("image_inspect")
-        return info, image
 
-    def _check_sealed(self, rec: SandboxRecord, info: ContainerInfo) -> None:
-        host = info.attrs.get("HostConfig") or {}
-        network = host.get("NetworkMode")
+    def saw_marker(self, info: ContainerInfo) -> None:
+        self._marker_seen[info.id] = started_at(info)
+
+    # -- create and replace ----------------------------------------------------------------------
+
+    def spec(self, user_id: str, chat_id: str, data_root_id: str, image: ImageInfo, volume: str | None) -> ContainerSpec:
+        """The chat's container (``volume`` None: the pre-volume shape, kept for the tests of
+        the migration; the product always passes the chat's volume)."""
+        return ContainerSpec(image=image.id, name=container_name(user_id, chat_id),
+                             labels=self.identity_labels(user_id, chat_id, data_root_id),
+                             mounts=(Mount(str(self.socket_dir(user_id, chat_id)), MODEL_DIR, read_only=True),),
+                             command=MODEL_GATE_COMMAND, memory_bytes=self.config.memory_bytes,
+                             pids_limit=self.config.pids_limit, nano_cpus=self.config.nano_cpus, home_volume=volume)
+
+    async def new_volume(self, user_id: str, chat_id: str, data_root_id: str) -> tuple[str, str]:
+        """Create the chat's volume with a fresh id; (name, id). A volume of that name that
+        exists already is never adopted: SANDBOX_UNRECORDED (the caller may clear leftovers first)."""
+        name = volume_name(container_name(user_id, chat_id))
+        volume_id = uuid.uuid4().hex
+        labels = volume_labels(self.identity_labels(user_id, chat_id, data_root_id), volume_id)
+        got = await self.engine.create_volume(name, labels)
+        if got.labels.get(LABEL_VOLUME_ID) != volume_id:  # the engine returned an existing one
+            raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"volume {name} exists without a record")
+        return name, volume_id
+
+    async def write_marker(self, container_id: str, user_id: str, chat_id: str, volume_id: str) -> None:
+        await self.engine.put_root_file(container_id, MARKER_PATH,
+                                        marker_bytes(digest("sandbox", user_id, chat_id), volume_id))
+
+    def unsealed(self, rec: SandboxRecord, info: ContainerInfo) -> str | None:
+        """Why the container is not sealed (SPEC 7: network none, the chat's model socket dir
+        mounted read-only), or None. One made before sealing cannot be sealed in place: it is
+        replaced on its volume like an upgrade."""
+        network = (info.attrs.get("HostConfig") or {}).get("NetworkMode")
         if network != "none":
-            raise SandboxLost(LostReason.NOT_SEALED, f"created with network {network!r}; sandboxes are now sealed "
-                              "(network none) and this one cannot be sealed in place")
+            return f"created with network {network!r}"
         want = str(self.socket_dir(rec.user_id, rec.chat_id))
         mounts = [m for m in info.attrs.get("Mounts") or [] if m.get("Destination") == MODEL_DIR]
         if not mounts or mounts[0].get("Source") != want or mounts[0].get("RW", True):
-            raise SandboxLost(LostReason.NOT_SEALED, f"no read-only model socket mount of {want} at {MODEL_DIR}")
+            return f"no read-only model socket mount of {want} at {MODEL_DIR}"
+        return None
 
     async def _create(self, user_id: str, chat_id: str) -> Sandbox:
         image = await self.checked_image(self.config.image)
@@ -322,35 +417,56 @@ class SandboxManager:
         if existing is not None:
             # A container with this identity but no record: the store lost track of it.
             raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record")
-        sockets = self.socket_dir(user_id, chat_id)
-        spec = ContainerSpec(image=image.id, name=name, labels=self.identity_labels(user_id, chat_id, root),
-                             mounts=(Mount(str(sockets), MODEL_DIR, read_only=True),), command=MODEL_GATE_COMMAND,
-                             memory_bytes=self.config.memory_bytes,
-                             pids_limit=self.config.pids_limit, nano_cpus=self.config.nano_cpus)
-        info = await self.disk.create(spec)
+        vol, volume_id = await self.new_volume(user_id, chat_id, root)
+        info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol))
+        await self.write_marker(info.id, user_id, chat_id, volume_id)
         t = time.time()
         await self.engine.start(info.id)
         info = await self.engine.inspect(info.id)
+        self.saw_marker(info)
         ts = now()
         rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=info.id, container_name=name,
                             image_id=image.id, data_root_id=root, host_id=self.config.host_id,
-                            state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
+                            state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
+                            volume_name=vol, volume_id=volume_id)
         await self.store.put_sandbox(rec)
         self._changed(user_id, chat_id, SandboxState.RUNNING)
-        log.info("sandbox.created", container=name, image=image.id[:19], network="none")
-        await self._gate_ready(info, t)
+        log.info("sandbox.created", container=name, volume=vol, image=image.id[:19], network="none")
+        await self.gate_ready(info, t)
         return Sandbox(record=rec, container=info, image=image, created=True)
 
+    async def destroy(self, user_id: str, chat_id: str) -> bool:
+        """Remove the chat's container and its state volume (chat deletion, retention): the
+        native state goes for good. The record is left to the caller (LOST with a reason, or
+        deleted). Idempotent; True when anything was removed."""
+        rec = await self.store.get_sandbox(user_id, chat_id)
+        if rec is None:
+            return False
+        removed = False
+        name = container_name(user_id, chat_id)
+        for ref in dict.fromkeys((rec.container_id, name, f"{name}-premigration")):
+            try:
+                await self.engine.remove(ref)
+                removed = True
+            except NotFound:
+                pass
+        self._marker_seen.pop(rec.container_id, None)
+        try:
+            await self.engine.remove_volume(rec.volume_name or volume_name(name))
+            removed = True
+        except NotFound:
+            pass
+        if removed:
+            log.info("sandbox.destroyed", container=name, volume=rec.volume_name)
+        return removed
+
     async def expire(self, user_id: str, chat_id: str, reason: str) -> bool:
-        """Retention: remove the container (its writable layer with it) and record the sandbox
-        LOST with ``reason``; idempotent."""
+        """Retention: remove the container and the chat's state volume (the native state goes
+        with them) and record the sandbox LOST with ``reason``; idempotent."""
         rec = await self.store.get_sandbox(user_id, chat_id)
         if rec is None or rec.state == SandboxState.LOST:
             return False
-        try:
-            await self.engine.remove(rec.container_id)
-        except NotFound:
-            pass
+        await self.destroy(user_id, chat_id)
         await self.store.set_sandbox_state(user_id, chat_id, SandboxState.LOST, reason)
         self._changed(user_id, chat_id, SandboxState.LOST)
         log.info("sandbox.expired", container=rec.container_name, reason=reason)
@@ -364,7 +480,7 @@ class SandboxManager:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def stop(self, user_id: str, chat_id: str) -> bool:
-        """Idle-stop: the container stops, its writable layer (the native state) is kept."""
+        """Idle-stop: the container stops (its state volume and writable layer are kept)."""
         rec = await self.store.get_sandbox(user_id, chat_id)
         if rec is None or rec.state == SandboxState.LOST:
             return False
@@ -386,14 +502,17 @@ class SandboxManager:
         if rec is not None and rec.host_id != self.config.host_id:
             return Removal(container=False, volume=False)
         container = False
-        for ref in dict.fromkeys(r for r in (rec.container_id if rec else None, container_name(user_id, chat_id)) if r):
+        name = container_name(user_id, chat_id)
+        refs = (rec.container_id if rec else None, name, f"{name}{ASIDE_SUFFIX}")  # + a migration's leftover
+        for ref in dict.fromkeys(r for r in refs if r):
             try:
                 await self.engine.remove(ref)  # force: a running container and its processes end here
                 container = True
             except NotFound:
                 pass
-        volume = await self._remove_volume(rec)
+        volume = await self._remove_volume(user_id, chat_id, rec)
         if rec is not None:
+            self.integrity.forget(rec.container_id)
             self._changed(user_id, chat_id, SandboxState.LOST)  # the capacity's room: it runs no more
         if self.config.socket_root is not None:
             sockets = self.socket_dir(user_id, chat_id)
@@ -401,11 +520,13 @@ class SandboxManager:
         log.info("sandbox.removed", container=container_name(user_id, chat_id), removed=container, volume=volume)
         return Removal(container=container, volume=volume)
 
-    async def _remove_volume(self, rec: SandboxRecord | None) -> bool:
-        """The chat's state volume (SPEC 15). Sandboxes keep their native state in the writable
-        layer until state volumes land: then this removes the recorded volume, and False says
-        there was none."""
-        return False
+    async def _remove_volume(self, user_id: str, chat_id: str, rec: SandboxRecord | None) -> bool:
+        name = (rec.volume_name if rec is not None else None) or volume_name(container_name(user_id, chat_id))
+        try:
+            await self.engine.remove_volume(name)
+        except NotFound:
+            return False
+        return True
 
     # -- member processes ------------------------------------------------------------------------
 
@@ -466,3 +587,7 @@ class SandboxManager:
                 log.info("sandbox.reaped", container=info.name, groups=n)
             killed += n
         return killed
+
+
+def started_at(info: ContainerInfo) -> str:
+    return str((info.attrs.get("State") or {}).get("StartedAt") or "")

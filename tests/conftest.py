@@ -40,7 +40,8 @@ def sandbox_image(docker_client) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def _remove_this_modules_sandboxes():
-    """Retained sandboxes outlive their daemon by design; tests must not leave theirs behind.
+    """Retained sandboxes (containers and state volumes) outlive their daemon by design; tests
+    must not leave theirs behind.
 
     Module scope, autouse: torn down after the module's own (module-scoped) daemons, so a
     daemon restart inside a module still finds its sandboxes. Only sandboxes of daemons this
@@ -67,6 +68,15 @@ def _remove_this_modules_sandboxes():
             if created >= started.replace(microsecond=0) and row["Labels"].get("org.cloud-agent.host-id") in TEST_HOST_IDS:
                 try:
                     client.api.remove_container(row["Id"], force=True)
+                except docker.errors.APIError:
+                    pass
+        # then their state volumes (a volume in use by a container cannot go before it)
+        for vol in (client.api.volumes(filters={"label": "org.cloud-agent.sandbox=1"}) or {}).get("Volumes") or []:
+            labels = vol.get("Labels") or {}
+            created = datetime.fromisoformat(vol["CreatedAt"].replace("Z", "+00:00"))
+            if created >= started.replace(microsecond=0) and labels.get("org.cloud-agent.host-id") in TEST_HOST_IDS:
+                try:
+                    client.api.remove_volume(vol["Name"])
                 except docker.errors.APIError:
                     pass
     finally:

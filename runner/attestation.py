@@ -24,7 +24,6 @@ import anyio
 import structlog
 
 from images.checks import check_image_labels
-from images.pins import load_pins
 from runner.control_plane import HeartbeatPublisher
 from runner.openapi import API_VERSION
 from runner.probe import ProbeResult, ReverseProbe
@@ -122,12 +121,13 @@ class Attestor:
             img = await self.sup.engine.image(ref)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             return {"ref": ref, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        pins = load_pins()
+        pins = self.sup.manager.config.pinned
         # The image id is the digest of its config (content-addressed): the exact image,
         # whatever tag points at it. The image is built locally, so it has no registry digest.
         return {"ref": ref, "id": img.id, "digest": img.id, "tags": list(img.tags), "labels": img.labels,
                 "helper_version": img.labels.get(pins.helper.name),
-                "problems": check_image_labels(img.labels, require_helper=self.sup.manager.config.require_helper)}
+                "problems": check_image_labels(img.labels, pins=pins,
+                                               require_helper=self.sup.manager.config.require_helper)}
 
     async def engine_document(self) -> dict[str, Any]:
         try:
@@ -160,7 +160,7 @@ class Attestor:
                                  "stale_after_s": self.probe_stale_after_s, "stale": age > self.probe_stale_after_s}
 
     async def document(self) -> dict[str, Any]:
-        pins = load_pins()
+        pins = self.sup.manager.config.pinned
         reasons, detail = await self.readiness()
         return {
             "source": {"sha": self.source.sha, "dirty": self.source.dirty, "origin": self.source.origin,
@@ -191,7 +191,7 @@ class Attestor:
             if "error" in img:
                 detail["image_missing"] = f"{img['ref']}: {img['error']}"
             else:
-                pins = load_pins()
+                pins = self.sup.manager.config.pinned
                 if img["helper_version"] != str(pins.helper.version):
                     detail["helper_pin_mismatch"] = (f"image has {pins.helper.name}={img['helper_version']}, "
                                                      f"the pin is {pins.helper.version}")

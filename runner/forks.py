@@ -29,7 +29,8 @@ from runner.processes import member_paths, start_in_sandbox
 from runner.residents import ResidentPool
 from runner.transport import exec_transport
 from runner.turn import TurnRunner, to_locator, to_saved
-from sandbox_manager.sandboxes import Sandbox, SandboxLost, SandboxManager
+from sandbox_manager.sandboxes import ImageRefused, Sandbox, SandboxLost, SandboxManager
+from state.contract import VerifiedIn
 from state.jobs import ForkRequest
 from state.records import MemberRecord, PendingFork
 from state.store import Store
@@ -68,11 +69,19 @@ class Forker:
         return source
 
     async def fork(self, source: MemberRecord, req: ForkRequest) -> dict[str, Any]:
-        key = (source.user_id, source.chat_id, source.member_id)
         try:
             sandbox = await self.runner.resolve_sandbox(source.user_id, source.chat_id)
         except SandboxLost as lost:
             raise ForkError(409, "sandbox_lost", lost.reason.value) from None
+        except ImageRefused as exc:
+            raise ForkError(409, "image_unsupported", str(exc)) from None
+        try:
+            return await self._fork(source, req, sandbox)
+        finally:
+            self.manager.release(sandbox)
+
+    async def _fork(self, source: MemberRecord, req: ForkRequest, sandbox: Sandbox) -> dict[str, Any]:
+        key = (source.user_id, source.chat_id, source.member_id)
         runtime = source.runtime
         parent = to_locator(source.locator)
         assert parent is not None
@@ -89,10 +98,10 @@ class Forker:
         else:
             # One writer per native session: the source's resident process goes first.
             await self.pool.retire(key, "fork")
-            locator = await self._eager(driver, sandbox, home, parent, req)
+            locator, cli_version = await self._eager(driver, sandbox, home, parent, req)
             created = await self.store.create_fork_member(
                 source, req.new_member_id, home_member_id=home, locator=to_saved(locator), settled_turns=inherited,
-                pending=None)
+                pending=None, where=VerifiedIn(sandbox.container_id, sandbox.image.id, cli_version))
         if created is None:
             raise ForkError(409, "member_exists", req.new_member_id)
         log.info("fork.created", runtime=runtime, source=source.member_id, member=req.new_member_id,
@@ -101,7 +110,8 @@ class Forker:
                 "at_turn": req.at_turn, "locator": None if locator is None else locator.model_dump(),
                 "pending": locator is None}
 
-    async def _eager(self, driver: Driver, sandbox: Sandbox, home: str, parent: Locator, req: ForkRequest) -> Locator:
+    async def _eager(self, driver: Driver, sandbox: Sandbox, home: str, parent: Locator,
+                     req: ForkRequest) -> tuple[Locator, str | None]:
         dirs = self.manager.member_dirs(home)
         launch = driver.plan_fork(member_paths(dirs), self.runner.gateway(
             driver.runtime, sandbox.record.user_id, sandbox.record.chat_id, req.new_member_id), parent, req.at_turn)
@@ -110,7 +120,7 @@ class Forker:
         try:
             with anyio.fail_after(self.runner.handshake_timeout_s):
                 await session.handshake()
-                return await session.fork(req.at_turn)
+                return await session.fork(req.at_turn), session.cli_version
         except ForkPointMissing as exc:
             raise ForkError(422, "invalid_request", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any driver failure is a failed fork, named

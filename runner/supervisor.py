@@ -22,7 +22,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from drivers.models import DriverOptions
 from images.identity import carries_bridge, image_tag
-from images.pins import load_pins
+from images.pins import Pins, load_pins
 from runner.admission import Grant, HostBusy
 from runner.capacity import HostCapacity
 from runner.capacity_metrics import CapacityMetrics
@@ -79,10 +79,10 @@ class _Job:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
-def driver_options(settings: Settings) -> DriverOptions:
+def driver_options(settings: Settings, pins: Pins | None = None) -> DriverOptions:
     """The launch inputs every driver gets on this host: the compaction policy, the pinned helper."""
     return DriverOptions(native_compaction=settings.native_compaction == "on",
-                         helper_version=load_pins().helper.version)
+                         helper_version=(pins or load_pins()).helper.version)
 
 
 class Supervisor:
@@ -112,8 +112,8 @@ class Supervisor:
                                  models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks,
-                                 driver_options=driver_options(settings), launch_gate=self.memory.launching,
-                                 keepers=self.keepers)
+                                 driver_options=driver_options(settings, manager.config.pins),
+                                 launch_gate=self.memory.launching, keepers=self.keepers)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self._jobs: dict[tuple[str, str], _Job] = {}
         self.deletions = ChatDeletions()
@@ -490,10 +490,11 @@ def build_supervisor(settings: Settings, gateway_url: str, *, hooks: TestHooks |
     engine = engine or DockerEngine(settings.docker_url)
     store = open_store(settings.store_url.get_secret_value() if settings.store_url else None, settings.store_path)
     image = settings.image or image_tag()
+    pins = hooks.pins if hooks is not None else None  # an upgrade test's pins file; else images/pins.toml
     cfg = SandboxConfig(image=image, socket_root=str(settings.check_socket_root()),
                         host_id=settings.resolved_host_id(), memory_bytes=settings.memory_bytes,
                         pids_limit=settings.pids_limit, nano_cpus=settings.nano_cpus,
                         disk_bytes=None if settings.sandbox_disk_mb is None else settings.sandbox_disk_mb * 1024 * 1024,
-                        require_helper=carries_bridge(load_pins()))
+                        require_helper=carries_bridge(pins or load_pins()), pins=pins)
     manager = SandboxManager(engine, store, cfg)
     return Supervisor(settings, engine=engine, store=store, manager=manager, gateway_url=gateway_url, hooks=hooks)

@@ -32,7 +32,7 @@ from drivers.models import (
 from drivers.registry import get_driver
 from drivers.session import NativeSession, TurnStart
 from drivers.transport import Transport
-from images.pins import load_pins
+from images.pins import Pins, cli_version_from_labels, load_pins
 from runner.processes import member_paths, start_in_sandbox
 from runner.keepers import Keepers
 from runner.residents import Resident, ResidentPool
@@ -48,8 +48,9 @@ from sandbox_manager.sandboxes import (
     SandboxRefused,
 )
 from state.jobs import Job
+from state.contract import VerifiedIn
 from state.keepers import KeeperTurn
-from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings
+from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings, UpgradedFrom
 from state.records import MemberRecord, SandboxState, SavedLocator
 from state.store import MemberOutcome, Store, VerifiedTurn
 from telemetry.turn_trace import TurnTrace, mark
@@ -71,6 +72,9 @@ class TestHooks:
     rewrite_model_request: Callable[[str, bytes], bytes] | None = None
     # bench mode (issue 16): each submitted job gets a TurnTrace of per-phase marks, handed here
     turn_trace: Callable[[TurnTrace], None] | None = None
+    # the pins the configured image must carry (an upgrade test's second pins file, SPEC 15);
+    # the product's own are images/pins.toml
+    pins: Pins | None = None
 
 
 def to_locator(saved: SavedLocator | None) -> Locator | None:
@@ -100,9 +104,11 @@ class Refusal(Exception):
     that merely names the wrong locator is refused without condemning the member.
     """
 
-    def __init__(self, reason: str, status: ContextStatus | None = ContextStatus.LOST, *, sticky: bool = True) -> None:
+    def __init__(self, reason: str, status: ContextStatus | None = ContextStatus.LOST, *, sticky: bool = True,
+                 detail: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail
         self.status = status
         self.sticky = sticky and status == ContextStatus.LOST
 
@@ -119,6 +125,9 @@ class TurnContext:
     member: MemberRecord | None = None
     cli_version: str | None = None
     compacted: bool = False  # the driver saw the CLI's own compaction in this turn
+    # SPEC 15: the member's native state was last verified in another container / on another image
+    recreated: bool = False
+    upgraded_from: UpgradedFrom | None = None
 
     def ms_since(self, t: float) -> int:
         return int((time.monotonic() - t) * 1000)
@@ -164,8 +173,9 @@ class TurnRunner:
         await self.model_path.open(user_id, chat_id)
         mark("model_socket")
         try:
-            return await self.manager.resolve(user_id, chat_id, resident=resident)
-        except (SandboxLost, ImageRefused):
+            return await self.manager.resolve(user_id, chat_id, resident=resident,
+                                              before_replace=self.retire_container)
+        except (SandboxLost, ImageRefused, ModelGateNotReady):
             await self.model_path.close(user_id, chat_id)
             raise
 
@@ -177,6 +187,7 @@ class TurnRunner:
         job = ctx.job
         ctx.timings.total = ctx.ms_since(ctx.t0)
         sb = ctx.sandbox
+        cli_version = ctx.cli_version or (cli_version_from_labels(sb.image.labels, job.runtime) if sb else None)
         info = SettlementInfo()
         if settlement is not None:
             info = SettlementInfo(evidence=settlement.evidence, is_error=settlement.is_error,
@@ -191,8 +202,9 @@ class TurnRunner:
             locator_before=before, locator_after=locator_after if locator_after is not None else before,
             settlement=info, assistant_text=text,
             sandbox=SandboxInfo(container_id=sb.container_id if sb else None, image_id=sb.image.id if sb else None,
-                                helper_version=sb.helper_version if sb else None),
-            cli_version=ctx.cli_version or load_pins().cli[job.runtime].version,
+                                helper_version=sb.helper_version if sb else None, volume=sb.volume if sb else None,
+                                recreated=ctx.recreated),
+            cli_version=cli_version or load_pins().cli[job.runtime].version, upgraded_from=ctx.upgraded_from,
             timings_ms=ctx.timings, started_at=ctx.started_at, finished_at=datetime.now(UTC),
         )
         mark("receipt_built")
@@ -205,10 +217,12 @@ class TurnRunner:
                                                      compaction=ctx.compacted, settled_index=settled)
         mark("wire_settled")
         receipt = receipt.model_copy(update={"wire": wire})
+        where = VerifiedIn(container_id=receipt.sandbox.container_id, image_id=receipt.sandbox.image_id,
+                           cli_version=receipt.cli_version)
         member = MemberOutcome(
             last_status=receipt.context_status.value if receipt.context_status else "-",
             last_outcome=receipt.outcome.value,
-            verified=VerifiedTurn(to_saved(verified)) if verified is not None else None,
+            verified=VerifiedTurn(to_saved(verified), where) if verified is not None else None,
             wire=row,
         )
         with anyio.CancelScope(shield=True):
@@ -229,6 +243,12 @@ class TurnRunner:
             return await self._execute(ctx, key)
         finally:
             self.model_path.end(job)
+            if ctx.sandbox is not None:
+                self.manager.release(ctx.sandbox)  # a replacement by another member may go on
+
+    async def retire_container(self, container_id: str) -> None:
+        """Before a replacement removes a container: its resident processes are retired."""
+        await self.pool.retire_where(lambda r: r.container_id == container_id, "sandbox replaced")
 
     async def finish(self, job: Job, turn: KeeperTurn) -> Receipt:
         """SPEC 14: finish a turn the previous daemon began on a re-adopted keeper: re-read its
@@ -258,6 +278,8 @@ class TurnRunner:
                                    answer=lambda: channel.offset > seen)
         finally:
             self.model_path.end(job)
+            if ctx.sandbox is not None:
+                self.manager.release(ctx.sandbox)
 
     async def _execute(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
         emit = ctx.emit
@@ -265,7 +287,7 @@ class TurnRunner:
             session = await self._prepare(ctx, key)
         except Refusal as r:
             ctx.status = r.status
-            receipt = self._receipt(ctx, Outcome.REFUSED, reason=r.reason)
+            receipt = self._receipt(ctx, Outcome.REFUSED, reason=r.reason, detail=r.detail or None)
             if r.sticky and ctx.member is not None:
                 await self.store.mark_member_lost(*key, r.reason)
             return await self._commit(ctx, receipt, None)
@@ -304,15 +326,17 @@ class TurnRunner:
         except SandboxLost as lost:
             await self.pool.retire_where(lambda r: r.key[:2] == key[:2], "sandbox lost")
             ctx.timings.sandbox = ctx.ms_since(t)
-            raise Refusal(lost.reason.value) from None
+            raise Refusal(lost.reason.value, detail=lost.detail) from None
         except SandboxRefused as refused:
             ctx.timings.sandbox = ctx.ms_since(t)
             raise Refusal(refused.reason, status=None, sticky=False) from None  # the member is intact
         except ImageRefused as exc:
             ctx.timings.sandbox = ctx.ms_since(t)
             log.error("turn.image_refused", detail=str(exc))
-            raise Refusal("image_unsupported") from None
+            # the host's configured image is at fault; the chat's native state is intact
+            raise Refusal("image_unsupported", sticky=False) from None
         ctx.timings.sandbox = ctx.ms_since(t)
+        self._note_replacement(ctx)
         if member is None:
             member = await self.store.ensure_member(*key, job.runtime)
             ctx.member = member
@@ -352,6 +376,16 @@ class TurnRunner:
         if resident is not None and sandbox is not None and serves(resident, member.locator, sandbox.container_id):
             return ContextStatus.LIVE
         return ContextStatus.RESTORED
+
+    @staticmethod
+    def _note_replacement(ctx: TurnContext) -> None:
+        """SPEC 15: where the member's native state was last verified, against where it is now."""
+        m, sb = ctx.member, ctx.sandbox
+        if m is None or sb is None:
+            return
+        ctx.recreated = m.last_container_id is not None and m.last_container_id != sb.container_id
+        if m.last_image_id is not None and m.last_image_id != sb.image.id:
+            ctx.upgraded_from = UpgradedFrom(image_id=m.last_image_id, cli_version=m.last_cli_version)
 
     async def _launch(self, ctx: TurnContext, key: tuple[str, str, str], resume: Locator | None) -> NativeSession:
         job, sandbox = ctx.job, ctx.sandbox
@@ -405,6 +439,9 @@ class TurnRunner:
             if hf.reason == HandshakeReason.HELPER_VERSION:
                 raise Refusal(hf.reason.value, status=ContextStatus.LOST if launch.resume else ctx.status) from None
             if launch.resume and hf.reason in (HandshakeReason.NATIVE_STATE_MISSING, HandshakeReason.LOCATOR_MISMATCH):
+                # SPEC 15: the current image's CLI cannot confirm the locator saved on another image
+                if ctx.upgraded_from is not None:
+                    raise Refusal("upgrade_incompatible", detail=f"{hf.reason.value}: {hf.detail}") from None
                 raise Refusal(hf.reason.value) from None
             raise _NotStarted(f"handshake_{hf.reason.value}", hf.detail) from None
         except TimeoutError:

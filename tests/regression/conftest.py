@@ -52,12 +52,17 @@ def fx() -> Iterator[LoopbackFixture]:
 
 
 def remove_host_containers(docker_client: Any, host_id: str) -> None:
-    """Remove every container a daemon with ``host_id`` created (best effort)."""
+    """Remove every container and state volume a daemon with ``host_id`` created (best effort)."""
     # low-level list: one call, no per-container inspect that a concurrent removal could trip
     for row in docker_client.api.containers(all=True, filters={"label": f"{LABEL_HOST}={host_id}"}):
         try:
             docker_client.api.remove_container(row["Id"], force=True)
         except Exception:  # noqa: BLE001 - already gone, or the engine is busy: nothing to keep
+            pass
+    for vol in (docker_client.api.volumes(filters={"label": f"{LABEL_HOST}={host_id}"}) or {}).get("Volumes") or []:
+        try:
+            docker_client.api.remove_volume(vol["Name"])
+        except Exception:  # noqa: BLE001
             pass
 
 

@@ -6,10 +6,18 @@ Every case runs for every runtime: one member with a settled turn (its own chat)
 damage, then a refused job with the exact reason and zero fixture requests, then a second
 job refused as ``previously_lost``.
 
+The native state lives on the chat's state volume (SPEC 15): a removed container is no
+longer a LOST case — the next turn is RESTORED in a new container on the same volume
+(``test_volumes.py``). What loses the native state is the volume.
+
 =====================  ============================================  ========================
 case                   damage                                        reason
 =====================  ============================================  ========================
-container removed      ``docker rm -f`` of the chat's container      ``container_missing``
+volume removed         ``docker rm -f`` of the chat's container,     ``volume_missing``
+                       then ``docker volume rm`` of its volume
+another chat's volume  the chat's volume replaced by one with its    ``volume_mismatch``
+swapped in             name and exact labels holding another chat's
+                       home (that chat's identity marker inside)
 data root changed      the data-root marker volume carries another   ``data_root_changed``
                        id (restored in ``finally``)
 labels tampered        the recorded container is one whose identity  ``labels_mismatch``
@@ -41,9 +49,10 @@ from drivers.codex import CodexDriver
 from drivers.models import Locator
 from runner.processes import member_paths
 from sandbox_manager.engine import DATA_ROOT_LABEL, DATA_ROOT_VOLUME
-from sandbox_manager.sandboxes import LABEL_CHAT, SandboxManager, digest
+from sandbox_manager.sandboxes import LABEL_CHAT, LABEL_IDENTITY, SandboxManager, digest
 from state.records import MemberRecord
 from tests.regression.conftest import regression_daemon
+from tests.regression.native_state import agent_sh, native_state_paths
 from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
 from tests.support.store import erase_locator
 
@@ -103,39 +112,54 @@ async def retire(d, chat: Chat) -> None:
     assert resp.json() == {"retired": True}
 
 
-def agent_sh(docker_client, container_id: str, script: str) -> tuple[int, str]:
-    code, out = docker_client.containers.get(container_id).exec_run(["sh", "-c", script], user="agent")
-    return code, out.decode(errors="replace")
-
-
-def native_state_paths(runtime: str, m: MemberRecord) -> str:
-    """Shell words naming the member's native session state, exactly where its driver keeps it."""
-    assert m.locator is not None
-    paths = member_paths(SandboxManager.member_dirs(m.home_member_id))
-    loc = Locator(id=m.locator.id, path=m.locator.path)
-    if runtime == "claude":
-        return shlex.quote(ClaudeDriver().transcript(paths, loc))  # <CLAUDE_CONFIG_DIR>/projects/<cwd>/<id>.jsonl
-    if runtime == "codex":
-        return CodexDriver.rollout_glob(paths, loc)  # CODEX_HOME/sessions/Y/M/D/rollout-*-<id>.jsonl (a glob)
-    if runtime == "pi":
-        assert loc.path
-        return shlex.quote(loc.path)  # the session file the locator names
-    db = native_db(runtime, paths.home)  # XDG_DATA_HOME/<cli>/<cli>.db (+ WAL files)
-    return " ".join(shlex.quote(p) for p in (db, f"{db}-wal", f"{db}-shm"))
-
-
 # ---------------------------------------------------------------- sandbox-level cases
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-async def test_container_removed(runtime, daemon, fx, docker_client) -> None:
+async def test_volume_removed(runtime, daemon, fx, docker_client) -> None:
     chat, first = await settled_chat(daemon, fx, runtime)
-    saved = first["locator_after"]
+    saved, volume = first["locator_after"], first["sandbox"]["volume"]
     docker_client.api.remove_container(first["sandbox"]["container_id"], force=True)
-    assert await refused(daemon, fx, chat) == lost("container_missing", saved)
+    docker_client.api.remove_volume(volume)
+    assert await refused(daemon, fx, chat) == lost("volume_missing", saved)
     assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
     m = await member(daemon, chat)
-    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 1, "container_missing")
+    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 1, "volume_missing")
+    # no fresh volume or container was made up for it
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.api.inspect_volume(volume)
+    assert docker_client.api.containers(all=True, filters={"label": f"{LABEL_IDENTITY}="
+                                                           f"{digest('sandbox', chat.user_id, chat.chat_id)}"}) == []
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_another_chats_volume_swapped_in(runtime, daemon, fx, docker_client) -> None:
+    chat, first = await settled_chat(daemon, fx, runtime)
+    other, other_first = await settled_chat(daemon, fx, runtime)
+    saved, volume = first["locator_after"], first["sandbox"]["volume"]
+    labels = docker_client.api.inspect_volume(volume)["Labels"]
+    docker_client.api.remove_container(first["sandbox"]["container_id"], force=True)
+    docker_client.api.remove_volume(volume)
+    # a volume with this chat's name and exact labels, holding the other chat's home
+    docker_client.api.create_volume(volume, labels=labels)
+    carrier = docker_client.containers.create(docker_client.api.inspect_container(
+        other_first["sandbox"]["container_id"])["Image"], command=["true"], network_mode="none",
+        volumes={volume: {"bind": "/home/agent", "mode": "rw"}})
+    try:
+        bits, _ = docker_client.api.get_archive(other_first["sandbox"]["container_id"], "/home/agent")
+        assert docker_client.api.put_archive(carrier.id, "/home", b"".join(bits))
+    finally:
+        carrier.remove(force=True)
+    assert await refused(daemon, fx, chat) == lost("volume_mismatch", saved)
+    assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
+    assert (await member(daemon, chat)).lost_reason == "volume_mismatch"
+    # the other chat, whose home was copied, goes on undisturbed
+    message = "the other chat after the swap"
+    reply = other.expect_turn(message)
+    mark = high_water(fx)
+    receipt, _, _ = await daemon.run(other.job(message))
+    assert (receipt["context_status"], receipt["outcome"], receipt["assistant_text"]) == ("LIVE", "succeeded", reply)
+    assert_model_saw(fx, mark, other)
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

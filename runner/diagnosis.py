@@ -6,8 +6,8 @@ handshake and settlement evidence), native state (present, size), request (the w
 verdict) — because only the last step tells a model's false "I have no history" claim
 from a real loss, and each step is meaningful only when the ones before it hold. The
 one-line conclusion names the first thing that broke, or, when nothing did, what the wire
-says the model was sent. Where a fact does not exist on this host yet (the wire verdict,
-a state volume) the diagnosis says "not available"; it never guesses.
+says the model was sent. Where a fact does not exist on this host (the wire verdict,
+the volume of a sandbox made before state volumes) the diagnosis says "not available"; it never guesses.
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ Kind = Literal["running", "lost", "refused", "identity_mismatch", "wire_gap", "c
 # Why a turn was refused or lost, by the step of the diagnosis the reason belongs to, with
 # the words the conclusion uses.
 ROUTE_REASONS = {
-    "container_missing": "the native state is gone",
+    "container_missing": "the native state is gone",  # receipts from before state volumes
+    "volume_missing": "the chat's state volume is gone, and the native state with it",
+    "volume_mismatch": "the chat's state volume is not the one recorded",
+    "migration_impossible": "the sandbox was made before state volumes and its container, which held the "
+                            "native state, is gone",
     "container_replaced": "the chat's container was replaced",
     "labels_mismatch": "the container's identity labels name another chat",
     "data_root_changed": "the Docker data root is not the one the sandbox was created in",
@@ -51,6 +55,7 @@ IDENTITY_REASONS = {
 }
 NATIVE_REASONS = {
     "native_state_missing": "the CLI's native session state is gone",
+    "upgrade_incompatible": "after an image upgrade the new CLI could not confirm the saved session",
 }
 # A job that names a locator other than the saved one is refused without condemning the member.
 REFUSAL_WORDS = {
@@ -166,7 +171,7 @@ def route_step(ev: Evidence, receipt: Receipt | None, reason: str | None) -> Ste
     facts.append(Fact(label="turn's container", value=short(served) if served else "none (refused before)"))
     if receipt and receipt.sandbox.image_id:
         facts.append(Fact(label="image", value=short(receipt.sandbox.image_id, 19)))
-    volume = getattr(sb, "volume", None) if sb is not None else None
+    volume = sb.volume_name if sb is not None else None
     facts.append(Fact(label="volume", value=str(volume) if volume else NOT_AVAILABLE))
     if receipt is not None and reason in ROUTE_REASONS and receipt.context_status == ContextStatus.LOST:
         return Step(name="route", title="Route", verdict="problem", facts=facts,

@@ -49,6 +49,7 @@ class SandboxView(BaseModel):
     container_id: str
     container_name: str
     image_id: str
+    volume: str | None = Field(description="the chat's state volume (SPEC 15); null: made before state volumes")
     host_id: str
     last_used_at: datetime
     residents: int
@@ -113,7 +114,7 @@ async def host_view(sup: Supervisor, attestation: dict[str, Any] | None) -> Host
     records = sorted(await sup.store.list_sandboxes(), key=lambda r: r.last_used_at, reverse=True)
     sandboxes = [SandboxView(user_id=r.user_id, chat_id=r.chat_id, state=r.state.value, lost_reason=r.lost_reason,
                              container_id=r.container_id, container_name=r.container_name, image_id=r.image_id,
-                             host_id=r.host_id, last_used_at=r.last_used_at,
+                             volume=r.volume_name, host_id=r.host_id, last_used_at=r.last_used_at,
                              residents=per_chat.get((r.user_id, r.chat_id), 0))
                  for r in records[:MAX_SANDBOXES]]
     mem, adm = sup.memory, sup.capacity.admission

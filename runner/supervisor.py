@@ -413,7 +413,7 @@ class Supervisor:
             "sandbox": None if sb is None else {
                 "state": sb.state.value, "lost_reason": sb.lost_reason, "stop_reason": sb.stop_reason,
                 "expires_at": _iso(self.sweeps.expires_at(sb)), "container_id": sb.container_id,
-                "container_name": sb.container_name, "image_id": sb.image_id,
+                "container_name": sb.container_name, "image_id": sb.image_id, "volume": sb.volume_name,
                 "last_used_at": sb.last_used_at.isoformat(),
             },
             "members": [{

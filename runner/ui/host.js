@@ -66,12 +66,12 @@ export async function hostPage(view) {
     : el("p", {}, "No resident processes.");
   const sandboxes = h.sandboxes.length
     ? table(`Sandboxes (${h.sandboxes.length} of ${h.sandboxes_total})`,
-      ["User", "Chat", "State", "Container", "Image", "Residents", "Last used"],
+      ["User", "Chat", "State", "Container", "Image", "Volume", "Residents", "Last used"],
       h.sandboxes.map((s) => [s.user_id, chatLink(s.user_id, s.chat_id),
                               el("span", {}, el("span", { class: `state state-${s.state}` }, s.state),
                                  s.lost_reason ? ` (${s.lost_reason})` : ""),
                               el("span", {}, s.container_name, " ", code(s.container_id, 12)),
-                              code(s.image_id, 19), String(s.residents), when(s.last_used_at)]),
+                              code(s.image_id, 19), na(s.volume), String(s.residents), when(s.last_used_at)]),
       "sandboxes-table")
     : el("p", {}, "No sandboxes.");
   clear(view).append(

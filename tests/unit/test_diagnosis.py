@@ -38,10 +38,12 @@ def member(**kw: Any) -> MemberRecord:
     return MemberRecord(**(base | kw))
 
 
-def sandbox(state: SandboxState = SandboxState.RUNNING, lost_reason: str | None = None) -> SandboxRecord:
+def sandbox(state: SandboxState = SandboxState.RUNNING, lost_reason: str | None = None,
+            volume: str | None = None) -> SandboxRecord:
     return SandboxRecord(user_id="u1", chat_id="c1", container_id=CONTAINER, container_name="ca-u1-c1",
                          image_id="sha256:" + "ab" * 32, data_root_id="dr", host_id="host-a", state=state,
-                         lost_reason=lost_reason, created_at=T0, last_used_at=T0)
+                         lost_reason=lost_reason, created_at=T0, last_used_at=T0, volume_name=volume,
+                         volume_id=None if volume is None else "v" * 32)
 
 
 def evidence(r: Receipt | None, *, wire: dict[str, Any] | None = None, m: MemberRecord | None = None,
@@ -61,6 +63,12 @@ CASES = [
     ("lost container", evidence(receipt("LOST", "refused", reason="container_missing", evidence=None),
                                 sb=sandbox(SandboxState.LOST, "container_missing")),
      "lost", "session LOST (container_missing): the native state is gone"),
+    ("lost volume", evidence(receipt("LOST", "refused", reason="volume_missing", evidence=None),
+                             sb=sandbox(SandboxState.LOST, "volume_missing")),
+     "lost", "session LOST (volume_missing): the chat's state volume is gone, and the native state with it"),
+    ("upgrade incompatible", evidence(receipt("LOST", "refused", reason="upgrade_incompatible", evidence=None)),
+     "lost", "session LOST (upgrade_incompatible): after an image upgrade the new CLI could not confirm the "
+     "saved session"),
     ("lost native state", evidence(receipt("LOST", "refused", reason="native_state_missing", evidence=None)),
      "lost", "session LOST (native_state_missing): the CLI's native session state is gone"),
     ("lost handshake", evidence(receipt("LOST", "refused", reason="locator_mismatch", evidence=None)),
@@ -168,6 +176,11 @@ def test_steps_come_in_the_fixed_order_in_the_terminal() -> None:
     assert heads == ["1. Route", "2. Session identity", "3. Native state", "4. Request"]
     assert "   volume            not available" in text
     assert "   wire     not available" in text
+
+
+def test_the_route_names_the_chats_state_volume() -> None:
+    d = diagnose(evidence(receipt("RESTORED", "succeeded"), sb=sandbox(volume="ca-u1-c1-home")))
+    assert {f.label: f.value for f in d.steps[0].facts}["volume"] == "ca-u1-c1-home"
 
 
 def test_the_diagnosis_round_trips_as_json() -> None:

@@ -3,7 +3,8 @@
 Starts the loopback model fixture and a daemon (real HTTP API, real Docker, the real pinned
 CLIs), then for each runtime runs one chat through
 NEW -> LIVE -> RESTORED (retired process) -> RESTORED (stopped and started sandbox)
--> LOST (container removed: refused), and prints the receipts and, per turn, exactly what
+-> RESTORED (container removed: a new one on the chat's state volume) -> LOST (state volume
+removed: refused), and prints the receipts and, per turn, exactly what
 the model saw (the fixture's audit of the conversational request).
 """
 
@@ -30,7 +31,8 @@ STEPS = [
     ("LIVE", "What word did I ask you to remember?", None),
     ("RESTORED", "Still there after your process was retired?", "retire"),
     ("RESTORED", "And after the sandbox was stopped and started?", "stop"),
-    ("LOST", "The container is gone now. Will you refuse?", "remove"),
+    ("RESTORED", "The container was removed. Do you still remember the word?", "remove"),
+    ("LOST", "The state volume is gone now. Will you refuse?", "remove_volume"),
 ]
 
 
@@ -113,10 +115,12 @@ async def _demo_chat(client: httpx.AsyncClient, daemon: Any, fx: Any, runtime: s
             await client.post(f"/v1/users/{user}/chats/{chat}/members/{member}/retire")
         elif before == "stop":
             await client.post(f"/v1/users/{user}/chats/{chat}/stop")
-        elif before == "remove":
+        elif before in ("remove", "remove_volume"):
             rec = await daemon.supervisor.store.get_sandbox(user, chat)
             if rec is not None:
                 await daemon.supervisor.engine.remove(rec.container_id)
+                if before == "remove_volume" and rec.volume_name:
+                    await daemon.supervisor.engine.remove_volume(rec.volume_name)
         seen_before = len(fx.requests(kind="conversation"))
         t = time.monotonic()
         job = {"job_id": uuid.uuid4().hex, "user_id": user, "chat_id": chat, "member_id": member,

@@ -438,7 +438,12 @@ class SandboxManager:
     async def destroy(self, user_id: str, chat_id: str) -> bool:
         """Remove the chat's container and its state volume (chat deletion, retention): the
         native state goes for good. The record is left to the caller (LOST with a reason, or
-        deleted). Idempotent; True when anything was removed."""
+        deleted). Idempotent; True when anything was removed. Under the chat's lock: no resolve
+        of this chat recreates the container meanwhile (the caller retires its residents first)."""
+        async with self._chat_lock(user_id, chat_id):
+            return await self._destroy(user_id, chat_id)
+
+    async def _destroy(self, user_id: str, chat_id: str) -> bool:
         rec = await self.store.get_sandbox(user_id, chat_id)
         if rec is None:
             return False

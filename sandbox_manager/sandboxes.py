@@ -59,6 +59,16 @@ from sandbox_manager.identity import (
     member_key,
 )
 from sandbox_manager.migration import ASIDE_SUFFIX, migrate
+from sandbox_manager.sealing import (  # noqa: F401 - re-exported: the sandbox's contract
+    MODEL_DIR,
+    MODEL_GATE_COMMAND,
+    MODEL_GATE_READY,
+    MODEL_PORT,
+    MODEL_SOCKET,
+    ModelGateNotReady,
+    unsealed,
+    wait_gate,
+)
 from sandbox_manager.uses import ContainerUses
 from sandbox_manager.replacement import Replacement, replace
 from sandbox_manager.volumes import (
@@ -81,19 +91,6 @@ AGENT_HOME = "/home/agent"
 WORKSPACE = f"{AGENT_HOME}/workspace"
 MEMBERS_DIR = f"{AGENT_HOME}/members"
 KILL_GRACE_S = 3.0  # a retired process group gets this long between TERM and KILL
-
-# The model socket (SPEC 7, 12): the host proxy's per-sandbox directory is mounted read-only
-# here, and the container's command forwards 127.0.0.1:MODEL_PORT to the socket inside it.
-MODEL_DIR = "/run/cloud-agent/model"
-MODEL_SOCKET = f"{MODEL_DIR}/model.sock"
-MODEL_PORT = 18080
-MODEL_GATE_READY = "modelgate.listening"
-MODEL_GATE_COMMAND = ("ca-modelgate", "--socket", MODEL_SOCKET, "--listen", f"127.0.0.1:{MODEL_PORT}")
-
-
-class ModelGateNotReady(Exception):
-    """The container started but its model gate (ca-modelgate) did not report listening."""
-
 
 class ImageRefused(Exception):
     """The configured image does not carry the pinned versions: no sandbox is created from it."""
@@ -228,10 +225,7 @@ class SandboxManager:
         return Path(self.config.socket_root) / container_name(user_id, chat_id)
 
     async def gate_ready(self, info: ContainerInfo, since: float) -> None:
-        if not await self.engine.wait_log_line(info.id, MODEL_GATE_READY, since=since,
-                                               timeout_s=self.config.gate_ready_timeout_s):
-            raise ModelGateNotReady(f"{info.name}: ca-modelgate did not report listening within "
-                                    f"{self.config.gate_ready_timeout_s}s")
+        await wait_gate(self.engine, info, since=since, timeout_s=self.config.gate_ready_timeout_s)
 
     async def checked_image(self, ref: str) -> ImageInfo:
         try:
@@ -394,17 +388,7 @@ class SandboxManager:
                                         marker_bytes(digest("sandbox", user_id, chat_id), volume_id))
 
     def unsealed(self, rec: SandboxRecord, info: ContainerInfo) -> str | None:
-        """Why the container is not sealed (SPEC 7: network none, the chat's model socket dir
-        mounted read-only), or None. One made before sealing cannot be sealed in place: it is
-        replaced on its volume like an upgrade."""
-        network = (info.attrs.get("HostConfig") or {}).get("NetworkMode")
-        if network != "none":
-            return f"created with network {network!r}"
-        want = str(self.socket_dir(rec.user_id, rec.chat_id))
-        mounts = [m for m in info.attrs.get("Mounts") or [] if m.get("Destination") == MODEL_DIR]
-        if not mounts or mounts[0].get("Source") != want or mounts[0].get("RW", True):
-            return f"no read-only model socket mount of {want} at {MODEL_DIR}"
-        return None
+        return unsealed(info, str(self.socket_dir(rec.user_id, rec.chat_id)))
 
     async def _create(self, user_id: str, chat_id: str) -> Sandbox:
         image = await self.checked_image(self.config.image)

@@ -41,7 +41,7 @@ from tests.daemon_harness import TOKEN, daemon_process
 pytestmark = [pytest.mark.browser, pytest.mark.cli, pytest.mark.docker]
 
 NEW_CONCLUSION = "first turn of the member: there was no earlier history to send"
-LOST_CONCLUSION = "session LOST (container_missing): the native state is gone"
+LOST_CONCLUSION = "session LOST (volume_missing): the chat's state volume is gone, and the native state with it"
 
 
 @dataclass
@@ -68,12 +68,13 @@ class Chat:
 
 
 def lifecycle(chat: Chat, docker_client: Any) -> None:
-    """NEW -> LIVE -> (retire) RESTORED -> (container removed) LOST."""
+    """NEW -> LIVE -> (retire) RESTORED -> (container and state volume removed) LOST."""
     chat.turn("remember the word heron")
     chat.turn("and now the word lark")
     chat.retire()
     chat.turn("which words did I ask you to remember?")
     docker_client.api.remove_container(chat.receipts[-1]["sandbox"]["container_id"], force=True)
+    docker_client.api.remove_volume(chat.receipts[-1]["sandbox"]["volume"])
     chat.turn("are you still there?")
 
 
@@ -116,7 +117,7 @@ class Scenario:
 SCENARIOS = [
     Scenario("lifecycle", "codex", lifecycle,
              rows=[("NEW", "succeeded", None), ("LIVE", "succeeded", None), ("RESTORED", "succeeded", None),
-                   ("LOST", "refused", "container_missing")],
+                   ("LOST", "refused", "volume_missing")],
              conclusions=lambda rs: [NEW_CONCLUSION, settled_conclusion(rs[1]), settled_conclusion(rs[2]),
                                      LOST_CONCLUSION]),
     Scenario("resident", "codex", resident, rows=[("NEW", "succeeded", None)],
@@ -289,8 +290,9 @@ def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> N
         [...tr.querySelectorAll('td')].map((td) => td.textContent));""")
     by_chat = {c[1]: c for c in cells}
     life, res = host.chats["lifecycle"], host.chats["resident"]
-    assert by_chat[life.chat_id][2] == "lost (container_missing)"
+    assert by_chat[life.chat_id][2] == "lost (volume_missing)"
     assert by_chat[res.chat_id][2] == "running"
+    assert by_chat[res.chat_id][5] == res.receipts[-1]["sandbox"]["volume"]  # the chat's state volume
     residents = browser.execute_script("""
       return [...document.querySelectorAll('#residents-table tbody tr')].map((tr) =>
         [...tr.querySelectorAll('td')].map((td) => td.textContent));""")
@@ -419,12 +421,12 @@ def test_inspect_reaches_each_turns_conclusion(host, scenario) -> None:
 def test_inspect_defaults_to_the_latest_turn_and_reads_the_native_state(host) -> None:
     life, res = host.chats["lifecycle"], host.chats["resident"]
     latest = json.loads(inspect(host, life.user_id, life.chat_id, "--json").stdout)
-    assert (latest["turn"], latest["kind"], latest["reason"]) == (4, "lost", "container_missing")
+    assert (latest["turn"], latest["kind"], latest["reason"]) == (4, "lost", "volume_missing")
     route = latest["steps"][0]
     assert route["verdict"] == "problem"
-    assert route["summary"] == "container_missing: the native state is gone"
+    assert route["summary"] == "volume_missing: the chat's state volume is gone, and the native state with it"
     native = latest["steps"][2]["facts"]
-    assert {"label": "now", "value": "not checked: sandbox LOST (container_missing): not looked into"} in native
+    assert {"label": "now", "value": "not checked: sandbox LOST (volume_missing): not looked into"} in native
     # the resident chat's sandbox is running: one exec lists the member's rollout file
     doc = json.loads(inspect(host, res.user_id, res.chat_id, "--json").stdout)
     step = doc["steps"][2]

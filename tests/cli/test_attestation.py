@@ -141,7 +141,8 @@ async def test_an_image_with_an_older_helper_never_reports_ready_and_creates_no_
             receipt, _, resp = await d.run(chat.job("this must never reach a model"))
             assert resp.status_code == 200
             assert (receipt["outcome"], receipt["reason"]) == ("refused", "image_unsupported")
-            assert receipt["sandbox"] == {"container_id": None, "image_id": None, "helper_version": None}
+            assert receipt["sandbox"] == {"container_id": None, "image_id": None, "helper_version": None,
+                                          "volume": None, "recreated": False}
             assert fx.requests() == []
             with pytest.raises(docker.errors.NotFound):
                 docker_client.containers.get(container_name(chat.user_id, chat.chat_id))

@@ -56,6 +56,9 @@ async def manager(tmp_path, sandbox_image, docker_client) -> AsyncIterator[Sandb
         yield mgr
     for row in docker_client.api.containers(all=True, filters={"label": f"org.cloud-agent.host-id={host}"}):
         docker_client.api.remove_container(row["Id"], force=True)
+    for vol in (docker_client.api.volumes(filters={"label": f"org.cloud-agent.host-id={host}"}) or {}).get(
+            "Volumes") or []:
+        docker_client.api.remove_volume(vol["Name"])  # the sandboxes' state volumes
     shutil.rmtree(sockets, ignore_errors=True)
     store.close()
     engine.close()

@@ -29,11 +29,13 @@ def assert_hardened(attrs: dict, *, sockets: str, memory: int, pids: int, nano_c
     assert host["Privileged"] is False
     assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
     assert host["SecurityOpt"] == ["no-new-privileges"]
-    # the one mount: the sandbox's own model socket directory, read-only (SPEC 7)
-    assert host["Binds"] == [f"{sockets}:/run/cloud-agent/model:ro"]
-    assert attrs["Config"].get("Volumes") == {"/run/cloud-agent/model": {}}
-    assert [(m["Source"], m["Destination"], m["RW"]) for m in attrs["Mounts"]] == [
-        (sockets, "/run/cloud-agent/model", False)]
+    # two mounts: the sandbox's own model socket directory, read-only (SPEC 7), and the chat's
+    # state volume at the agent's home (SPEC 15); no other host path
+    volume = f"{attrs['Name'].lstrip('/')}-home"
+    assert sorted(host["Binds"]) == sorted([f"{sockets}:/run/cloud-agent/model:ro", f"{volume}:/home/agent:rw"])
+    assert attrs["Config"].get("Volumes") == {"/run/cloud-agent/model": {}, "/home/agent": {}}
+    assert sorted((m["Type"], m.get("Name") or m["Source"], m["Destination"], m["RW"]) for m in attrs["Mounts"]) == [
+        ("bind", sockets, "/run/cloud-agent/model", False), ("volume", volume, "/home/agent", True)]
     assert not host["Devices"] and not host.get("DeviceRequests")
     assert host["PidMode"] == "" and host["UsernsMode"] == "" and host["IpcMode"] in ("private", "shareable")
     assert (host["Memory"], host["PidsLimit"], host["NanoCpus"]) == (memory, pids, nano_cpus)
@@ -88,4 +90,5 @@ async def test_a_sandbox_of_the_manager_is_sealed(tmp_path, sandbox_image, docke
     finally:
         if sandbox is not None:
             docker_client.api.remove_container(sandbox.container_id, force=True)
+            docker_client.api.remove_volume(sandbox.volume)
         engine.close()

@@ -57,12 +57,14 @@ async def test_new_live_restored_restored_lost(runtime, fx, tmp_path, sandbox_im
         status = (await d.client.get(base)).json()
         member = status["members"][0]
         assert (member["runtime"], member["settled_turns"], member["locator"]["id"]) == (runtime, 4, locator)
-        # LOST: the container is removed; the turn is refused and the model sees nothing
+        # LOST: the container and its state volume are removed; the turn is refused and the
+        # model sees nothing
         docker_client.api.remove_container(container, force=True)
+        docker_client.api.remove_volume(receipt["sandbox"]["volume"])
         mark = high_water(fx)
         receipt, _, _ = await d.run(chat.job("are you still there?"))
         assert (receipt["context_status"], receipt["outcome"], receipt["reason"]) == ("LOST", "refused",
-                                                                                     "container_missing")
+                                                                                     "volume_missing")
         assert receipt["locator_after"] == locator
         assert [r for r in fx.requests() if r.seq > mark] == []
         resp = await d.client.get("/metrics")
@@ -71,6 +73,6 @@ async def test_new_live_restored_restored_lost(runtime, fx, tmp_path, sandbox_im
         for status, outcome, n in (("NEW", "succeeded", 1), ("LIVE", "succeeded", 1), ("RESTORED", "succeeded", 2),
                                    ("LOST", "refused", 1)):
             assert sample(metrics, "cloud_agent_turns_total", runtime=runtime, status=status, outcome=outcome) == n
-        assert sample(metrics, "cloud_agent_refusals_total", runtime=runtime, reason="container_missing") == 1
+        assert sample(metrics, "cloud_agent_refusals_total", runtime=runtime, reason="volume_missing") == 1
         assert sample(metrics, "cloud_agent_turn_phase_ms_count", runtime=runtime, phase="total") == 5
         assert sample(metrics, "cloud_agent_sandboxes", state="lost") == 1

@@ -1,5 +1,6 @@
 """Each sandbox's disk bound (CLOUD_AGENT_SANDBOX_DISK_MB): a writable-layer quota where the
-engine's storage driver takes one, else a measured limit (sandbox_manager.disk_usage).
+engine's storage driver takes one, else a measured limit (sandbox_manager.disk_usage); the
+chat's state volume (SPEC 15) is always measured (no layer quota covers it).
 
 Whether the driver takes a quota is learnt from the engine, not assumed: the first create
 asks for one, and an engine that refuses ``--storage-opt`` (overlay2 on anything but xfs with
@@ -18,7 +19,7 @@ import structlog
 
 from sandbox_manager import disk_usage
 from sandbox_manager.disk_usage import DiskUsage
-from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, EngineError
+from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, EngineError, NotFound
 from state.records import SandboxRecord
 from state.store import Store
 
@@ -59,17 +60,27 @@ class DiskBound:
         return info
 
     async def usage(self, rec: SandboxRecord) -> DiskUsage | None:
-        """The measured use of a sandbox's writable layer; None when the engine enforces a quota
-        for it, or when its layer cannot be read from here (a remote engine)."""
+        """The measured use of a sandbox: its writable layer (unless the engine enforces a quota
+        for it) plus its state volume (no layer quota covers a volume). None when nothing can be
+        read from here (a remote engine)."""
         if self.limit_bytes is None:
             return None
         info = await self.engine.inspect(rec.container_id)
-        if (info.attrs.get("HostConfig", {}).get("StorageOpt") or {}).get("size"):
+        paths: list[str] = []
+        if not (info.attrs.get("HostConfig", {}).get("StorageOpt") or {}).get("size"):
+            upper = (info.attrs.get("GraphDriver", {}).get("Data") or {}).get("UpperDir")
+            if upper and os.path.isdir(upper):
+                paths.append(upper)
+        if rec.volume_name is not None:
+            try:
+                vol = await self.engine.inspect_volume(rec.volume_name)
+            except NotFound:
+                vol = None  # gone: the next turn finds it LOST
+            if vol is not None and vol.mountpoint and os.path.isdir(vol.mountpoint):
+                paths.append(vol.mountpoint)
+        if not paths:
             return None
-        upper = (info.attrs.get("GraphDriver", {}).get("Data") or {}).get("UpperDir")
-        if not upper or not os.path.isdir(upper):
-            return None
-        return await anyio.to_thread.run_sync(disk_usage.scan, upper, self.limit_bytes)
+        return await anyio.to_thread.run_sync(disk_usage.scan_all, paths, self.limit_bytes)
 
     async def recheck(self, rec: SandboxRecord) -> None:
         """Before a turn on a sandbox stopped for disk_quota: still over → SandboxRefused;

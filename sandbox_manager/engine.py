@@ -92,6 +92,7 @@ class ImageInfo:
 class VolumeInfo:
     name: str
     labels: dict[str, str]
+    mountpoint: str | None = None  # where the engine keeps its content (local driver: under the data root)
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,8 @@ class DockerEngine:
 
     @staticmethod
     def _volume(attrs: dict[str, Any]) -> VolumeInfo:
-        return VolumeInfo(name=attrs["Name"], labels=dict(attrs.get("Labels") or {}))
+        return VolumeInfo(name=attrs["Name"], labels=dict(attrs.get("Labels") or {}),
+                          mountpoint=attrs.get("Mountpoint"))
 
     async def create_volume(self, name: str, labels: dict[str, str]) -> VolumeInfo:
         """Create a named volume. The engine answers an existing name with the existing

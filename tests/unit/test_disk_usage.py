@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sandbox_manager.disk_usage import scan
+from sandbox_manager.disk_usage import scan, scan_all
 
 MiB = 1024 * 1024
 
@@ -33,3 +33,17 @@ def test_too_many_files_count_as_over_and_end_the_scan(tmp_path) -> None:
 def test_a_missing_layer_is_empty(tmp_path) -> None:
     usage = scan(str(tmp_path / "gone"), MiB)
     assert (usage.bytes, usage.entries, usage.over) == (0, 0, False)
+
+
+def test_a_layer_and_a_state_volume_share_one_bound(tmp_path) -> None:
+    layer, volume = tmp_path / "upper", tmp_path / "volume"
+    layer.mkdir()
+    volume.mkdir()
+    (layer / "a").write_bytes(os.urandom(2 * MiB))
+    (volume / "b").write_bytes(os.urandom(2 * MiB))
+    both = scan_all([str(layer), str(volume)], 5 * MiB)
+    assert not both.over and 4 * MiB <= both.bytes < 5 * MiB and both.entries == 2
+    over = scan_all([str(layer), str(volume)], 3 * MiB)  # each under it, the sum over
+    assert (over.over, over.why) == (True, "over 3 MiB") and over.bytes > 3 * MiB
+    many = scan_all([str(layer), str(volume)], 5 * MiB, max_entries=1)
+    assert (many.over, many.why) == (True, "more than 1 files")

@@ -440,14 +440,24 @@ class SandboxManager:
             except NotFound:
                 pass
         self._marker_seen.pop(rec.container_id, None)
-        try:
-            await self.engine.remove_volume(rec.volume_name or volume_name(name))
-            removed = True
-        except NotFound:
-            pass
+        removed = await self.remove_volume(user_id, chat_id, rec) or removed
         if removed:
             log.info("sandbox.destroyed", container=name, volume=rec.volume_name)
         return removed
+
+    async def remove_volume(self, user_id: str, chat_id: str, rec: SandboxRecord | None = None) -> bool:
+        """Remove the chat's state volume: the recorded one, else the one its name derives to
+        (a record lost, or a migration interrupted). The engine refuses a volume a container
+        still mounts: remove the container first. True when a volume was removed."""
+        if rec is None:
+            rec = await self.store.get_sandbox(user_id, chat_id)
+        name = (rec.volume_name if rec is not None else None) or volume_name(container_name(user_id, chat_id))
+        try:
+            await self.engine.remove_volume(name)
+        except NotFound:
+            return False
+        log.info("sandbox.volume_removed", volume=name)
+        return True
 
     async def expire(self, user_id: str, chat_id: str, reason: str) -> bool:
         """Retention: remove the container and the chat's state volume (the native state goes

@@ -365,6 +365,15 @@ async def test_destroy_removes_container_and_volume(manager: SandboxManager, doc
     with pytest.raises(docker.errors.NotFound):
         docker_client.api.inspect_volume(sb.volume)
     assert await manager.destroy(user, chat) is False  # idempotent
+    # the volume alone (chat deletion removes the container itself first)
+    u2, c2 = ids()
+    sb2 = await manager.resolve(u2, c2)
+    manager.release(sb2)
+    docker_client.api.remove_container(sb2.container_id, force=True)
+    assert await manager.remove_volume(u2, c2) is True
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.api.inspect_volume(sb2.volume)
+    assert await manager.remove_volume(u2, c2) is False
 
 
 async def test_lost_when_labels_tampered(manager: SandboxManager, docker_client) -> None:

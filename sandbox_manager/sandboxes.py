@@ -420,30 +420,12 @@ class SandboxManager:
         return Sandbox(record=rec, container=info, image=image, created=True)
 
     async def destroy(self, user_id: str, chat_id: str) -> bool:
-        """Remove the chat's container and its state volume (chat deletion, retention): the
-        native state goes for good. The record is left to the caller (LOST with a reason, or
-        deleted). Idempotent; True when anything was removed. Under the chat's lock: no resolve
-        of this chat recreates the container meanwhile (the caller retires its residents first)."""
+        """:meth:`remove` under the chat's lock (no resolve of this chat recreates the container
+        meanwhile; the caller retires its residents first): the native state goes for good.
+        The record is left to the caller. True when a container or the volume was removed."""
         async with self._chat_lock(user_id, chat_id):
-            return await self._destroy(user_id, chat_id)
-
-    async def _destroy(self, user_id: str, chat_id: str) -> bool:
-        rec = await self.store.get_sandbox(user_id, chat_id)
-        if rec is None:
-            return False
-        removed = False
-        name = container_name(user_id, chat_id)
-        for ref in dict.fromkeys((rec.container_id, name, f"{name}-premigration")):
-            try:
-                await self.engine.remove(ref)
-                removed = True
-            except NotFound:
-                pass
-        self._marker_seen.pop(rec.container_id, None)
-        removed = await self.remove_volume(user_id, chat_id, rec) or removed
-        if removed:
-            log.info("sandbox.destroyed", container=name, volume=rec.volume_name)
-        return removed
+            removed = await self.remove(user_id, chat_id)
+        return removed.container or removed.volume
 
     async def remove_volume(self, user_id: str, chat_id: str, rec: SandboxRecord | None = None) -> bool:
         """Remove the chat's state volume: the recorded one, else the one its name derives to
@@ -509,7 +491,9 @@ class SandboxManager:
                 container = True
             except NotFound:
                 pass
-        volume = await self._remove_volume(user_id, chat_id, rec)
+        if rec is not None:
+            self._marker_seen.pop(rec.container_id, None)
+        volume = await self.remove_volume(user_id, chat_id, rec)
         if rec is not None:
             self.integrity.forget(rec.container_id)
             self._changed(user_id, chat_id, SandboxState.LOST)  # the capacity's room: it runs no more
@@ -518,14 +502,6 @@ class SandboxManager:
             await anyio.to_thread.run_sync(lambda: shutil.rmtree(sockets, ignore_errors=True))
         log.info("sandbox.removed", container=container_name(user_id, chat_id), removed=container, volume=volume)
         return Removal(container=container, volume=volume)
-
-    async def _remove_volume(self, user_id: str, chat_id: str, rec: SandboxRecord | None) -> bool:
-        name = (rec.volume_name if rec is not None else None) or volume_name(container_name(user_id, chat_id))
-        try:
-            await self.engine.remove_volume(name)
-        except NotFound:
-            return False
-        return True
 
     # -- member processes ------------------------------------------------------------------------
 

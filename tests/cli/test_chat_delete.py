@@ -97,7 +97,7 @@ async def test_delete_destroys_the_chat_and_a_reused_id_is_new(fx, tmp_path, san
         assert resp.status_code == 200, resp.text
         body = resp.json()
         assert body == {"user_id": user, "chat_id": chat_id, "deleted": True, "cancelled_jobs": 0,
-                        "retired_residents": 2, "container_removed": True, "volume_removed": False,
+                        "retired_residents": 2, "container_removed": True, "volume_removed": True,
                         "records_removed": body["records_removed"], "tombstoned_receipts": 2 * len(runtimes)}
         assert body["records_removed"] == sum(before.values())
 

@@ -97,7 +97,7 @@ async def test_a_removed_sandbox_or_a_changed_locator_fails_the_named_step(fx, t
         assert [(r.name.rsplit(".", 1)[1], r.result) for r in removed.rows] == [
             ("new", "pass"), ("live", "pass"), ("stop", "pass"), ("restored", "fail"), ("delete", "pass")]
         assert by[f"smoke.{runtime}.restored"].detail == "expected RESTORED succeeded, got LOST refused " \
-                                                         "(container_missing)"
+                                                         "(volume_missing)"
         forged = await run_smoke(d.url, TOKEN, [runtime], transport=forge_locator_of("live"))
         assert [(r.name.rsplit(".", 1)[1], r.result) for r in forged.rows] == [
             ("new", "pass"), ("live", "fail"), ("stop", "skip"), ("restored", "skip"), ("delete", "pass")]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 
 from sandbox_manager.sandboxes import container_name
+from sandbox_manager.volumes import volume_name
 
 
 class Seam(httpx.AsyncBaseTransport):
@@ -31,12 +32,14 @@ class Seam(httpx.AsyncBaseTransport):
 
 
 def remove_sandbox_after_stop(docker_client) -> Seam:
-    """Once the idle stop answered, the chat's container is removed behind the daemon's back."""
+    """Once the idle stop answered, the chat's container and its state volume are removed
+    behind the daemon's back (a container alone is recreated on the volume: SPEC 15)."""
 
     def hook(request: httpx.Request, resp: httpx.Response, body: bytes) -> bytes:
         parts = request.url.path.split("/")  # /v1/users/U/chats/C/stop
         if request.method == "POST" and parts[-1] == "stop" and resp.status_code == 200:
             docker_client.api.remove_container(container_name(parts[3], parts[5]), force=True)
+            docker_client.api.remove_volume(volume_name(container_name(parts[3], parts[5])))
         return body
 
     return Seam(hook)

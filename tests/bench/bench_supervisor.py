@@ -188,7 +188,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         t = time.perf_counter_ns()
         since = time.time()
         await sup.manager.engine.start(cid)
-        await sup.manager._gate_ready(await sup.manager.engine.inspect(cid), since)
+        await sup.manager.gate_ready(await sup.manager.engine.inspect(cid), since)
         await bare.start(sb, resume=bare.locator)  # the same container: its Sandbox still names it
         await bare.turn(f"bare restored {i}")
         rest_b.append((time.perf_counter_ns() - t) / 1e6)

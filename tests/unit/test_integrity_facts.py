@@ -44,9 +44,9 @@ class FakeEvents:
         await anyio.wait_all_tasks_blocked()
 
 
-def facts(cid: str = "c1", image: str = "sha256:img", status: str = "running") -> Facts:
+def facts(cid: str = "c1", image: str = "sha256:img", status: str = "running", volume: str | None = None) -> Facts:
     return Facts(ContainerInfo(id=cid, name=f"ca-{cid}", status=status, image_id=image, labels={}),
-                 ImageInfo(id=image, labels={}, tags=()), "root-1")
+                 ImageInfo(id=image, labels={}, tags=()), "root-1", volume)
 
 
 async def checked(cache: IntegrityFacts, cid: str = "c1", **kw: Any) -> None:
@@ -115,6 +115,20 @@ async def test_other_volumes_and_image_pulls_change_nothing(live) -> None:
     await engine.emit("volume", "destroy", "some-other-volume")
     await engine.emit("image", "tag", "sha256:img")
     assert cache.get("c1", "root-1") is not None
+
+
+async def test_a_state_volume_removed_or_made_anew_drops_its_containers_facts(live) -> None:
+    cache, engine = live
+    await checked(cache, "c1", volume="ca-c1-home")
+    await checked(cache, "c2", volume="ca-c2-home")
+    await engine.emit("volume", "mount", "ca-c1-home")  # the container's own start: nothing
+    await engine.emit("volume", "unmount", "ca-c1-home")
+    assert cache.get("c1", "root-1") is not None
+    for action in ("destroy", "create"):
+        await checked(cache, "c1", volume="ca-c1-home")
+        await engine.emit("volume", action, "ca-c1-home")
+        assert cache.get("c1", "root-1") is None, action
+    assert cache.get("c2", "root-1") is not None  # another chat's volume: its facts stay
 
 
 async def test_a_check_that_raced_an_event_is_not_kept(live) -> None:

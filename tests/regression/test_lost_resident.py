@@ -1,8 +1,8 @@
 """A resident member's integrity facts come from the engine's event stream (issue 16), and LOST
-does not weaken: a container removed while its member is resident is caught by that member's
-very next turn, which is refused exactly as ``test_lost.test_container_removed`` refuses it
-(SPEC 3 and 15: the container, and with it the native state, is gone) — the message reaches
-no CLI and no model, the locator is untouched.
+does not weaken: a sandbox removed while its member is resident (the container, then its
+state volume) is caught by that member's very next turn, which is refused exactly as
+``test_lost.test_volume_removed`` refuses it (SPEC 3 and 15: the volume, and with it the
+native state, is gone) — the message reaches no CLI and no model, the locator is untouched.
 
 The turn before the removal must have been answered from the event-fed facts (its trace
 says ``integrity_cached`` and holds no engine inspect): otherwise this test would only
@@ -50,16 +50,17 @@ async def live_turn(d, fx, chat, message: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-async def test_container_removed_while_resident(runtime, daemon, fx, docker_client) -> None:
+async def test_sandbox_removed_while_resident(runtime, daemon, fx, docker_client) -> None:
     chat, first = await settled_chat(daemon, fx, runtime)
-    saved = first["locator_after"]
+    saved, volume = first["locator_after"], first["sandbox"]["volume"]
     checked = await live_turn(daemon, fx, chat, "a live turn checked against the engine")
     assert "container_inspect" in phases(checked)  # the first check of a resident stores its facts
     cached = await live_turn(daemon, fx, chat, "a live turn answered from the engine's events")
     assert "integrity_cached" in phases(cached)
     assert not {"data_root", "container_inspect", "image_inspect"} & set(phases(cached))
     docker_client.api.remove_container(first["sandbox"]["container_id"], force=True)
-    assert await refused(daemon, fx, chat) == lost("container_missing", saved)
+    docker_client.api.remove_volume(volume)
+    assert await refused(daemon, fx, chat) == lost("volume_missing", saved)
     assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
     m = await member(daemon, chat)
-    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 3, "container_missing")
+    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 3, "volume_missing")

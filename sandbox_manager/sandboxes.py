@@ -40,8 +40,7 @@ import structlog
 from images.checks import check_image_labels
 from sandbox_manager.disk_bound import DISK_QUOTA, DiskBound, SandboxRefused
 from images.pins import Pins, load_pins
-from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, FileEntry, ImageInfo, Mount, NotFound
-from sandbox_manager.exec_stream import ExecStream
+from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, ImageInfo, Mount, NotFound
 from sandbox_manager.integrity import Facts, IntegrityFacts
 from sandbox_manager.identity import (
     LABEL_CHAT,
@@ -56,7 +55,14 @@ from sandbox_manager.identity import (
     SandboxLost,
     container_name,
     digest,
-    member_key,
+    member_key,  # noqa: F401 - re-exported
+)
+from sandbox_manager.member_processes import (  # noqa: F401 - re-exported: callers name them here
+    MEMBERS_DIR,
+    WORKSPACE,
+    MemberDirs,
+    MemberProcess,
+    MemberProcesses,
 )
 from sandbox_manager.migration import ASIDE_SUFFIX, migrate
 from sandbox_manager.sealing import (  # noqa: F401 - re-exported: the sandbox's contract
@@ -88,9 +94,6 @@ from telemetry.turn_trace import mark
 log = structlog.get_logger("sandbox")
 
 AGENT_HOME = "/home/agent"
-WORKSPACE = f"{AGENT_HOME}/workspace"
-MEMBERS_DIR = f"{AGENT_HOME}/members"
-KILL_GRACE_S = 3.0  # a retired process group gets this long between TERM and KILL
 
 class ImageRefused(Exception):
     """The configured image does not carry the pinned versions: no sandbox is created from it."""
@@ -152,26 +155,12 @@ class Removal:
     volume: bool  # its state volume was removed by this call
 
 
-@dataclass(frozen=True)
-class MemberDirs:
-    home: str
-    workspace: str
-    run_dir: str
-
-
-@dataclass
-class MemberProcess:
-    """A CLI process in a sandbox: its attached stream and how to kill its group."""
-
-    container_id: str
-    stream: ExecStream
-    pidfile: str
-
-
 SandboxWatcher = Callable[[str, str, SandboxState], None]
 
 
-class SandboxManager:
+class SandboxManager(MemberProcesses):
+    """The chat's sandboxes; the member processes inside them are :class:`MemberProcesses`'."""
+
     def __init__(self, engine: Engine, store: Store, config: SandboxConfig) -> None:
         self.engine = engine
         self.store = store
@@ -502,66 +491,6 @@ class SandboxManager:
             await anyio.to_thread.run_sync(lambda: shutil.rmtree(sockets, ignore_errors=True))
         log.info("sandbox.removed", container=container_name(user_id, chat_id), removed=container, volume=volume)
         return Removal(container=container, volume=volume)
-
-    # -- member processes ------------------------------------------------------------------------
-
-    @staticmethod
-    def member_dirs(member_id: str) -> MemberDirs:
-        base = f"{MEMBERS_DIR}/{member_key(member_id)}"
-        return MemberDirs(home=f"{base}/home", workspace=WORKSPACE, run_dir=f"{base}/run")
-
-    async def prepare_files(self, sandbox: Sandbox, files: list[FileEntry], keep: list[FileEntry],
-                            dirs: list[str]) -> None:
-        """Write config files; ``keep`` files are written only when absent (the CLI may edit them)."""
-        if keep:
-            script = 'for f in "$@"; do [ -e "$f" ] && printf "%s\\n" "$f"; done; exit 0'
-            code, out = await self.engine.exec_run(sandbox.container_id, ["sh", "-c", script, "sh",
-                                                                          *[f.path for f in keep]])
-            present = set(out.decode(errors="replace").splitlines())
-            files = files + [f for f in keep if f.path not in present]
-        if files or dirs:
-            await self.engine.put_files(sandbox.container_id, files, dirs)
-
-    async def launch(self, sandbox: Sandbox, *, argv: list[str], env: dict[str, str], workdir: str,
-                     pidfile: str) -> MemberProcess:
-        stream = await self.engine.exec_attached(sandbox.container_id, argv, env=env, workdir=workdir)
-        return MemberProcess(container_id=sandbox.container_id, stream=stream, pidfile=pidfile)
-
-    async def kill_group(self, container_id: str, pidfile: str) -> None:
-        """Retire a process: kill its whole process group inside the container (TERM, then KILL
-        after KILL_GRACE_S). Closing the exec client never ends the process inside (SPEC section 7).
-        """
-        tries = max(1, int(KILL_GRACE_S / 0.1))
-        script = (
-            'pg=$(cat "$1" 2>/dev/null) || exit 0; [ -n "$pg" ] || exit 0; '
-            'kill -s TERM -- "-$pg" 2>/dev/null || { rm -f "$1"; exit 0; }; i=0; '
-            f'while kill -s 0 -- "-$pg" 2>/dev/null; do i=$((i+1)); if [ $i -ge {tries} ]; then '
-            'kill -s KILL -- "-$pg" 2>/dev/null; break; fi; sleep 0.1; done; rm -f "$1"'
-        )
-        try:
-            await self.engine.exec_run(container_id, ["sh", "-c", script, "sh", pidfile])
-        except NotFound:
-            pass
-
-    async def reap_orphans(self, keep: dict[str, set[str]] | None = None) -> int:
-        """On daemon start: kill CLI process groups left in retained, running sandboxes, but
-        those in ``keep`` (container id -> member run dirs of re-adopted keepers)."""
-        killed = 0
-        script = (
-            f'for f in {MEMBERS_DIR}/*/run/*.pid; do [ -f "$f" ] || continue; d=${{f%/*}}; s=; '
-            'for k in "$@"; do [ "$k" = "$d" ] && s=1; done; [ -n "$s" ] && continue; pg=$(cat "$f"); '
-            '[ -n "$pg" ] && kill -s KILL -- "-$pg" 2>/dev/null && echo "$pg"; rm -f "$f"; done; exit 0'
-        )
-        for info in await self.engine.list_labelled(f"{LABEL_HOST}={self.config.host_id}"):
-            if not info.running:
-                continue
-            kept = sorted((keep or {}).get(info.id, ()))
-            code, out = await self.engine.exec_run(info.id, ["sh", "-c", script, "sh", *kept])
-            n = len(out.split())
-            if n:
-                log.info("sandbox.reaped", container=info.name, groups=n)
-            killed += n
-        return killed
 
 
 def started_at(info: ContainerInfo) -> str:

@@ -1,7 +1,8 @@
 """An in-memory container engine (the :class:`sandbox_manager.engine.Engine` seam) for unit tiers
 that run the real sandbox manager and store without Docker.
 
-Containers are records; an attached exec is a :class:`FakeStream` that a fake driver's session
+Containers and state volumes are records (a volume's files are what the manager writes into it
+through a container mounting it, e.g. the identity marker); an attached exec is a :class:`FakeStream` that a fake driver's session
 may ignore; every call is logged in :attr:`FakeEngine.calls` so a test can prove what ran.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from images.pins import load_pins
-from sandbox_manager.engine import ContainerInfo, ContainerSpec, FileEntry, ImageInfo, NotFound
+from sandbox_manager.engine import AGENT_HOME, ContainerInfo, ContainerSpec, EngineError, FileEntry, ImageInfo, NotFound, VolumeInfo
 
 IMAGE = "cloud-agent-sandbox:fake"
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -53,6 +54,8 @@ class FakeEngine:
     containers: dict[str, ContainerInfo] = field(default_factory=dict)  # by id
     streams: list[FakeStream] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
+    volumes: dict[str, VolumeInfo] = field(default_factory=dict)  # by name
+    volume_files: dict[str, dict[str, bytes]] = field(default_factory=dict)  # volume -> path -> content
 
     def _get(self, ref: str) -> ContainerInfo:
         for info in self.containers.values():
@@ -81,8 +84,13 @@ class FakeEngine:
     async def create(self, spec: ContainerSpec) -> ContainerInfo:
         self.calls.append("create")
         # what the manager's seal check reads back: network none and the model socket mount
-        attrs = {"HostConfig": {"NetworkMode": "none"},
-                 "Mounts": [{"Source": m.source, "Destination": m.target, "RW": not m.read_only} for m in spec.mounts]}
+        mounts = [{"Type": "bind", "Source": m.source, "Destination": m.target, "RW": not m.read_only}
+                  for m in spec.mounts]
+        if spec.home_volume:
+            if spec.home_volume not in self.volumes:  # the engine would make an unlabelled one
+                self.volumes[spec.home_volume] = VolumeInfo(name=spec.home_volume, labels={})
+            mounts.append({"Type": "volume", "Name": spec.home_volume, "Destination": AGENT_HOME, "RW": True})
+        attrs = {"HostConfig": {"NetworkMode": "none"}, "Mounts": mounts}
         info = ContainerInfo(id=uuid.uuid4().hex * 2, name=spec.name, status="created", image_id=IMAGE_ID,
                              labels=dict(spec.labels), attrs=attrs)
         self.containers[info.id] = info
@@ -132,3 +140,60 @@ class FakeEngine:
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None:
         self._get(container_id)
         self.calls.append("put_files")
+
+    async def rename(self, container_id: str, name: str) -> None:
+        self.calls.append("rename")
+        info = self._get(container_id)
+        self.containers[info.id] = ContainerInfo(id=info.id, name=name, status=info.status, image_id=info.image_id,
+                                                 labels=info.labels, attrs=info.attrs)
+
+    # -- state volumes
+
+    def _home_volume(self, container_id: str) -> str | None:
+        for m in self._get(container_id).attrs.get("Mounts") or []:
+            if m.get("Destination") == AGENT_HOME and m.get("Type") == "volume":
+                return m["Name"]
+        return None
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> VolumeInfo:
+        self.calls.append("create_volume")
+        return self.volumes.setdefault(name, VolumeInfo(name=name, labels=dict(labels)))  # an existing one unchanged
+
+    async def inspect_volume(self, name: str) -> VolumeInfo:
+        if name not in self.volumes:
+            raise NotFound(name)
+        return self.volumes[name]
+
+    async def remove_volume(self, name: str) -> None:
+        self.calls.append("remove_volume")
+        if name not in self.volumes:
+            raise NotFound(name)
+        if any(self._home_volume(cid) == name for cid in self.containers):
+            raise EngineError(f"volume {name} is in use")  # as the engine refuses it
+        del self.volumes[name]
+        self.volume_files.pop(name, None)
+
+    async def list_volumes(self, label: str) -> list[VolumeInfo]:
+        key, _, value = label.partition("=")
+        return [v for v in self.volumes.values() if v.labels.get(key) == value]
+
+    async def read_file(self, container_id: str, path: str) -> bytes:
+        volume = self._home_volume(container_id)
+        try:
+            return self.volume_files[volume or ""][path]
+        except KeyError:
+            raise NotFound(path) from None
+
+    async def put_root_file(self, container_id: str, path: str, content: bytes, mode: int = 0o444) -> None:
+        self.calls.append("put_root_file")
+        volume = self._home_volume(container_id)
+        if volume is None or not path.startswith(AGENT_HOME + "/"):
+            raise EngineError(f"the fake engine keeps files on a home volume only, not {path}")
+        self.volume_files.setdefault(volume, {})[path] = content
+
+    async def copy_tree(self, src_container: str, path: str, dst_container: str) -> None:
+        self.calls.append("copy_tree")
+        src, dst = self._home_volume(src_container), self._home_volume(dst_container)
+        for p, content in dict(self.volume_files.get(src or "", {})).items():
+            if dst is not None and p.startswith(path.rstrip("/") + "/"):
+                self.volume_files.setdefault(dst, {})[p] = content

@@ -224,14 +224,27 @@ async def test_a_dead_resident_is_replaced_and_restored(rig: Rig) -> None:
     assert len(rig.script.launches) == 2
 
 
-async def test_a_lost_container_is_refused_and_the_member_stays_lost(rig: Rig) -> None:
+async def test_a_removed_container_is_recreated_on_the_volume_and_restored(rig: Rig) -> None:
+    rig.script.turns = [settled(), settled()]
+    first = await rig.run("one")
+    await rig.engine.remove(first.sandbox.container_id)  # the resident's process goes with it
+    again = await rig.run("two")
+    assert outcome(again) == ("RESTORED", "succeeded", None)
+    assert (again.sandbox.volume, again.sandbox.recreated) == (first.sandbox.volume, True)
+    assert again.sandbox.container_id != first.sandbox.container_id
+    assert [(x.resume, x.expected) for x in rig.script.launches] == [(False, None), (True, Locator(id="minted-1"))]
+    assert rig.script.messages == ["one", "two"]
+
+
+async def test_a_lost_volume_is_refused_and_the_member_stays_lost(rig: Rig) -> None:
     rig.script.turns = [settled()]
     first = await rig.run()
     await rig.engine.remove(first.sandbox.container_id)
+    await rig.engine.remove_volume(first.sandbox.volume)  # SPEC 15: the native state is gone with it
     lost = await rig.run("never sent")
-    assert outcome(lost) == ("LOST", "refused", "container_missing")
+    assert outcome(lost) == ("LOST", "refused", "volume_missing")
     assert lost.locator_after == first.locator_after
-    assert (await rig.member()).lost_reason == "container_missing"
+    assert (await rig.member()).lost_reason == "volume_missing"
     assert not rig.resident
     again = await rig.run("never sent either")
     assert outcome(again) == ("LOST", "refused", "previously_lost")
@@ -286,7 +299,8 @@ async def test_locator_mismatch_on_a_lost_member_reports_lost(rig: Rig) -> None:
     rig.script.turns = [settled()]
     first = await rig.run()
     await rig.engine.remove(first.sandbox.container_id)
-    assert outcome(await rig.run()) == ("LOST", "refused", "container_missing")
+    await rig.engine.remove_volume(first.sandbox.volume)
+    assert outcome(await rig.run()) == ("LOST", "refused", "volume_missing")
     named = await rig.run(locator="someone-else")
     assert outcome(named) == ("LOST", "refused", "locator_mismatch")
 

@@ -38,7 +38,7 @@ import pytest
 
 from images.build import ensure_image
 from images.pins import load_pins
-from runner.turn import TestHooks
+from runner.turn import TestHooks as Hooks  # not collected as a test class
 from tests.daemon_harness import RunningDaemon, daemon_settings, running_daemon
 from tests.regression.conftest import remove_host_containers
 from tests.regression.history_helpers import Member, TurnResult, token
@@ -105,7 +105,7 @@ async def upgraded(fx, sandbox_image, upgrade_image, docker_client,
                 assert code == 0, out
                 chats[runtime] = UpgradeChat(m1, m2, before, before.receipt["sandbox"]["image_id"])
         second = daemon_settings(home, fx.base_url, upgrade_image)
-        async with running_daemon(second, hooks=TestHooks(pins=load_pins(UPGRADE_PINS))) as d2:
+        async with running_daemon(second, hooks=Hooks(pins=load_pins(UPGRADE_PINS))) as d2:
             for chat in chats.values():
                 chat.m1.d = chat.m2.d = d2
             yield d2, chats

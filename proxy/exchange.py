@@ -12,6 +12,7 @@ or stalls is answered 413/408 without ever reaching the gateway half-sent.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -246,7 +247,10 @@ class Exchange:
         if resp.status >= 400 and "text/event-stream" not in content_type:
             return await self._respond_buffered(resp, key, d)
         d.reply = ReplyReader(route.api, content_type) if resp.status < 300 else None
-        await self.conn.start_response(resp.status, response_headers(resp.headers, key), resp.reason)
+        # the head is held, not written: it goes out with the body bytes that came in the same
+        # read, and nothing held ever waits for a read (flush first)
+        self.conn.hold(h11.Response(status_code=resp.status, headers=response_headers(resp.headers, key),
+                                    reason=resp.reason))
         gone = False
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
@@ -257,14 +261,24 @@ class Exchange:
 
             tg.start_soon(watch)
             try:
-                while (chunk := await resp.next_chunk()) is not None:
+                while True:
+                    if (chunk := resp.ready_chunk()) is h11.NEED_DATA:
+                        await self.conn.flush()
+                        chunk = await resp.next_chunk()
+                    if chunk is None:
+                        break
                     if d.reply is not None:
                         d.reply.feed(chunk)
-                    await self.conn.send_data(chunk)
+                    if chunk:
+                        self.conn.hold(h11.Data(data=chunk))
                     d.bytes_out += len(chunk)
-                await self.conn.end_response()
+                self.conn.hold(h11.EndOfMessage())
+                await self.conn.flush()
             except (UpstreamError, h11.LocalProtocolError) as exc:
-                # the upstream broke off mid-body: end the sandbox's stream the same way
+                # the upstream broke off mid-body: end the sandbox's stream the same way, after
+                # the bytes that did arrive
+                with contextlib.suppress(ClientGone):
+                    await self.conn.flush()
                 self.ctx.metrics.rejected.labels(reason="upstream_broke_off").inc()
                 d.error, d.reply = f"upstream_broke_off: {exc.__class__.__name__}", None
                 tg.cancel_scope.cancel()

@@ -60,6 +60,7 @@ class ClientConnection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
         self.eof = False
         self.answered_error: str | None = None  # the proxy's own error answer on this connection
+        self._held = bytearray()  # framed answer bytes not written yet (see hold)
 
     async def _receive(self) -> None:
         if self.eof:
@@ -138,9 +139,19 @@ class ClientConnection:
     # ---------------------------------------------------------------- responses
 
     async def _send(self, event: h11.Event) -> None:
-        data = self.h11.send(event)
-        if not data:
+        self.hold(event)
+        await self.flush()
+
+    def hold(self, event: h11.Event) -> None:
+        """Frame ``event`` now and write it with the next flush: an answer's head and the body
+        bytes that arrived with it go out in one write (one wake-up of the sandbox's reader)."""
+        self._held += self.h11.send(event) or b""
+
+    async def flush(self) -> None:
+        """Write whatever is held; the caller flushes before it waits for anything."""
+        if not self._held:
             return
+        data, self._held = bytes(self._held), bytearray()
         try:
             await self.stream.send(data)  # bounded by the stream's send timeout (Limits.write_timeout_s)
         except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:

@@ -122,21 +122,26 @@ class UpstreamResponse:
     async def next_chunk(self) -> bytes | None:
         """The next body bytes (de-chunked, never decoded) as a read brings them; None at the
         end. Raises UpstreamTimeout after ``read_s`` of silence, UpstreamBrokeOff if it breaks."""
-        conn = self._conn
-        while True:
-            try:
-                event = conn.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise UpstreamBrokeOff(f"the gateway's answer broke off: {exc}") from None
-            if event is h11.NEED_DATA:
-                conn.h11.receive_data(await self._receive())
-            elif isinstance(event, h11.Data):
-                return bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                self._done = True
-                return None
-            else:
-                raise UpstreamBrokeOff("the gateway closed the connection mid-answer")
+        while (chunk := self.ready_chunk()) is h11.NEED_DATA:
+            self._conn.h11.receive_data(await self._receive())
+        return chunk
+
+    def ready_chunk(self) -> bytes | None | type[h11.NEED_DATA]:
+        """What the reads so far already brought, without reading: the next body bytes, None at
+        the end, or ``h11.NEED_DATA`` when only another read can tell. The proxy uses it to
+        write what has arrived in one write and never to wait for more."""
+        try:
+            event = self._conn.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise UpstreamBrokeOff(f"the gateway's answer broke off: {exc}") from None
+        if event is h11.NEED_DATA:
+            return h11.NEED_DATA
+        if isinstance(event, h11.Data):
+            return bytes(event.data)
+        if isinstance(event, h11.EndOfMessage):
+            self._done = True
+            return None
+        raise UpstreamBrokeOff("the gateway closed the connection mid-answer")
 
     async def _receive(self) -> bytes:
         read_s = self._upstream.timeouts.read_s

@@ -168,3 +168,33 @@ async def test_https_gateway(tls_contexts: tuple[ssl.SSLContext, ssl.SSLContext]
                 await up.send("GET", "/v1/models", [], b"")
     finally:
         server.close()
+
+
+async def test_an_answer_that_arrives_in_one_read_goes_to_the_sandbox_in_one_write(tmp_path: Path, monkeypatch) -> None:
+    """The head, the body bytes that came with it and the end are held and written together: one
+    wake-up of the sandbox's reader, not three (a streamed answer still flushes before every read
+    of the upstream: test_sse_streams_through_chunk_by_chunk)."""
+    from proxy.sockets import SocketStream
+
+    writes: list[bytes] = []
+    real_send = SocketStream.send
+
+    async def counting_send(self, item: bytes) -> None:
+        writes.append(bytes(item))
+        await real_send(self, item)
+
+    server = OneShotServer()
+    try:
+        async with running_proxy(f"http://127.0.0.1:{server.port}", tmp_path, sink=ListSink()) as host:
+            path = await host.open_sandbox("c", tmp_path / "a", user_id="u")
+            monkeypatch.setattr(SocketStream, "send", counting_send)
+            async with uds_client(path) as client:
+                r = await client.post("/m/m1/v1/chat/completions", content=CHAT)
+            monkeypatch.undo()
+            await host.flush("c")
+    finally:
+        server.close()
+    assert (r.status_code, r.content) == (200, b"hello 1")
+    [answer] = [w for w in writes if w.startswith(b"HTTP/1.1 200")]
+    assert answer.endswith(b"\r\n\r\nhello 1")
+    assert len([w for w in writes if b"hello 1" in w or w.startswith(b"HTTP/")]) == 1

@@ -28,7 +28,8 @@ from drivers.models import Locator
 from runner.processes import member_paths, start_in_sandbox
 from runner.residents import ResidentPool
 from runner.transport import exec_transport
-from runner.turn import TurnRunner, to_locator, to_saved
+from runner.turn import TurnRunner
+from runner.turn_context import to_locator, to_saved
 from sandbox_manager.sandboxes import ImageRefused, Sandbox, SandboxLost, SandboxManager
 from state.contract import VerifiedIn
 from state.jobs import ForkRequest

@@ -38,7 +38,9 @@ from runner.readopt import Pending, readopt
 from runner.resident_memory import ResidentMemory
 from runner.residents import Resident, ResidentPool
 from runner.sweeps import Sweeps
-from runner.turn import Detached, TestHooks, TurnRunner
+from runner.hooks import TestHooks
+from runner.turn import TurnRunner
+from runner.turn_context import Detached
 from sandbox_manager.engine import DockerEngine, Engine
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
 from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job

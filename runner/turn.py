@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from contextlib import nullcontext
 from typing import Any
 
 import anyio
@@ -32,12 +30,28 @@ from drivers.models import (
 from drivers.registry import get_driver
 from drivers.session import NativeSession, TurnStart
 from drivers.transport import Transport
-from images.pins import Pins, cli_version_from_labels, load_pins
+from images.pins import load_pins
 from runner.processes import member_paths, start_in_sandbox
 from runner.keepers import Keepers
+from runner.hooks import TestHooks
 from runner.residents import Resident, ResidentPool
 from runner.model_path import ModelPath
 from runner.transport import exec_transport
+from runner.turn_context import (
+    Detached,
+    Emit,
+    LaunchGate,
+    NotStarted,
+    Refusal,
+    TurnContext,
+    build_receipt,
+    is_new,
+    note_replacement,
+    serves,
+    standing,
+    to_locator,
+    to_saved,
+)
 from sandbox_manager.keeper import KeeperError
 from sandbox_manager.sandboxes import (
     ImageRefused,
@@ -50,87 +64,11 @@ from sandbox_manager.sandboxes import (
 from state.jobs import Job
 from state.contract import VerifiedIn
 from state.keepers import KeeperTurn
-from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings, UpgradedFrom
-from state.records import MemberRecord, SandboxState, SavedLocator
+from state.receipts import ContextStatus, Outcome, Receipt, Timings
 from state.store import MemberOutcome, Store, VerifiedTurn
-from telemetry.turn_trace import TurnTrace, mark
+from telemetry.turn_trace import mark
 
 log = structlog.get_logger("turn")
-
-Emit = Callable[[dict[str, Any]], None]
-LaunchGate = Callable[[tuple[str, str, str], str], AbstractAsyncContextManager[None]]
-
-
-@dataclass
-class TestHooks:
-    """Test-only seams. Never set in production (the daemon has no way to set them)."""
-
-    wrap_transport: Callable[[Transport, str], Transport] | None = None
-    disable_retire_after: bool = False
-    lease_paused: Callable[[], bool] | None = None  # a fleet host's heartbeat pauses while True
-    # the model proxy rewrites a request body before auditing and forwarding it (route name, body)
-    rewrite_model_request: Callable[[str, bytes], bytes] | None = None
-    # bench mode (issue 16): each submitted job gets a TurnTrace of per-phase marks, handed here
-    turn_trace: Callable[[TurnTrace], None] | None = None
-    # the pins the configured image must carry (an upgrade test's second pins file, SPEC 15);
-    # the product's own are images/pins.toml
-    pins: Pins | None = None
-
-
-def to_locator(saved: SavedLocator | None) -> Locator | None:
-    return None if saved is None else Locator(id=saved.id, path=saved.path)
-
-
-def to_saved(loc: Locator) -> SavedLocator:
-    return SavedLocator(id=loc.id, path=loc.path)
-
-
-def is_new(member: MemberRecord) -> bool:
-    """NEW: no native turn of this member's own session has settled (a lazy fork's session
-    comes into being at its first turn, whatever history it inherits)."""
-    return member.settled_turns == 0 or member.pending_fork is not None
-
-
-def serves(resident: Resident, saved: SavedLocator | None, container_id: str) -> bool:
-    """LIVE: the resident process is alive, on the saved locator, in the chat's container."""
-    return (resident.alive and saved is not None and resident.locator is not None
-            and resident.locator.id == saved.id and resident.container_id == container_id)
-
-
-class Refusal(Exception):
-    """Execution refused before any message reached a CLI.
-
-    ``sticky``: the member's native state is lost for good (a LOST member stays LOST); a job
-    that merely names the wrong locator is refused without condemning the member.
-    """
-
-    def __init__(self, reason: str, status: ContextStatus | None = ContextStatus.LOST, *, sticky: bool = True,
-                 detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.detail = detail
-        self.status = status
-        self.sticky = sticky and status == ContextStatus.LOST
-
-
-@dataclass
-class TurnContext:
-    job: Job
-    emit: Emit
-    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    t0: float = field(default_factory=time.monotonic)
-    timings: Timings = field(default_factory=Timings)
-    status: ContextStatus | None = None
-    sandbox: Sandbox | None = None
-    member: MemberRecord | None = None
-    cli_version: str | None = None
-    compacted: bool = False  # the driver saw the CLI's own compaction in this turn
-    # SPEC 15: the member's native state was last verified in another container / on another image
-    recreated: bool = False
-    upgraded_from: UpgradedFrom | None = None
-
-    def ms_since(self, t: float) -> int:
-        return int((time.monotonic() - t) * 1000)
 
 
 class TurnRunner:
@@ -180,35 +118,6 @@ class TurnRunner:
             raise
 
     # -- receipts ---------------------------------------------------------------------------------
-
-    def _receipt(self, ctx: TurnContext, outcome: Outcome, *, reason: str | None = None,
-                 settlement: Settlement | None = None, text: str = "", locator_after: str | None = None,
-                 detail: str | None = None) -> Receipt:
-        job = ctx.job
-        ctx.timings.total = ctx.ms_since(ctx.t0)
-        sb = ctx.sandbox
-        cli_version = ctx.cli_version or (cli_version_from_labels(sb.image.labels, job.runtime) if sb else None)
-        info = SettlementInfo()
-        if settlement is not None:
-            info = SettlementInfo(evidence=settlement.evidence, is_error=settlement.is_error,
-                                  compacted=settlement.compacted,
-                                  detail=settlement.detail, raw=settlement.raw)
-        elif detail:
-            info = SettlementInfo(detail=detail)
-        before = ctx.member.locator.id if ctx.member and ctx.member.locator else None
-        receipt = Receipt(
-            job_id=job.job_id, user_id=job.user_id, chat_id=job.chat_id, member_id=job.member_id,
-            runtime=job.runtime, context_status=ctx.status, outcome=outcome, reason=reason,
-            locator_before=before, locator_after=locator_after if locator_after is not None else before,
-            settlement=info, assistant_text=text,
-            sandbox=SandboxInfo(container_id=sb.container_id if sb else None, image_id=sb.image.id if sb else None,
-                                helper_version=sb.helper_version if sb else None, volume=sb.volume if sb else None,
-                                recreated=ctx.recreated),
-            cli_version=cli_version or load_pins().cli[job.runtime].version, upgraded_from=ctx.upgraded_from,
-            timings_ms=ctx.timings, started_at=ctx.started_at, finished_at=datetime.now(UTC),
-        )
-        mark("receipt_built")
-        return receipt
 
     async def _commit(self, ctx: TurnContext, receipt: Receipt, verified: Locator | None) -> Receipt:
         with anyio.CancelScope(shield=True):
@@ -266,10 +175,10 @@ class TurnRunner:
                 ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id)
             except (SandboxLost, ImageRefused, ModelGateNotReady) as exc:
                 await self.pool.retire(key, "sandbox lost before finishing")
-                return await self._commit(ctx, self._receipt(ctx, Outcome.NOT_SETTLED, reason="daemon_restarted",
+                return await self._commit(ctx, build_receipt(ctx, Outcome.NOT_SETTLED, reason="daemon_restarted",
                                                              detail=str(exc)), None)
             if resident is None or resident.keeper is None:
-                return await self._commit(ctx, self._receipt(ctx, Outcome.NOT_SETTLED, reason="daemon_restarted",
+                return await self._commit(ctx, build_receipt(ctx, Outcome.NOT_SETTLED, reason="daemon_restarted",
                                                              detail="the keeper was not re-adopted"), None)
             session, channel = resident.session, resident.keeper.channel
             ctx.cli_version = session.cli_version
@@ -287,12 +196,12 @@ class TurnRunner:
             session = await self._prepare(ctx, key)
         except Refusal as r:
             ctx.status = r.status
-            receipt = self._receipt(ctx, Outcome.REFUSED, reason=r.reason, detail=r.detail or None)
+            receipt = build_receipt(ctx, Outcome.REFUSED, reason=r.reason, detail=r.detail or None)
             if r.sticky and ctx.member is not None:
                 await self.store.mark_member_lost(*key, r.reason)
             return await self._commit(ctx, receipt, None)
-        except _NotStarted as ns:
-            return await self._commit(ctx, self._receipt(ctx, Outcome.NOT_SETTLED, reason=ns.reason,
+        except NotStarted as ns:
+            return await self._commit(ctx, build_receipt(ctx, Outcome.NOT_SETTLED, reason=ns.reason,
                                                          detail=ns.detail), None)
         emit({"type": "status", "context_status": ctx.status.value if ctx.status else None})
         mark("status_emitted")
@@ -309,7 +218,7 @@ class TurnRunner:
         # Identity rule 2: a requested locator must equal the saved one; checked before launch.
         # The member is not condemned: the receipt says what its next turn would be (SPEC 3).
         if job.locator is not None and (saved is None or job.locator != saved.id):
-            raise Refusal("locator_mismatch", status=await self._standing(member, key), sticky=False)
+            raise Refusal("locator_mismatch", status=await standing(self.store, self.pool, member, key), sticky=False)
         if member is not None and member.lost_reason is not None:
             raise Refusal("previously_lost")  # a LOST member stays LOST
         # Identity rule 3: settled turns but no resume locator (an unstarted lazy fork has none yet).
@@ -322,7 +231,7 @@ class TurnRunner:
                                                      resident=resident is not None and resident.alive)
         except ModelGateNotReady as exc:
             ctx.timings.sandbox = ctx.ms_since(t)
-            raise _NotStarted("model_gate_not_ready", str(exc)) from None
+            raise NotStarted("model_gate_not_ready", str(exc)) from None
         except SandboxLost as lost:
             await self.pool.retire_where(lambda r: r.key[:2] == key[:2], "sandbox lost")
             ctx.timings.sandbox = ctx.ms_since(t)
@@ -336,7 +245,7 @@ class TurnRunner:
             # the host's configured image is at fault; the chat's native state is intact
             raise Refusal("image_unsupported", sticky=False) from None
         ctx.timings.sandbox = ctx.ms_since(t)
-        self._note_replacement(ctx)
+        note_replacement(ctx)
         if member is None:
             member = await self.store.ensure_member(*key, job.runtime)
             ctx.member = member
@@ -357,35 +266,6 @@ class TurnRunner:
         ctx.timings.process = ctx.ms_since(t)
         mark("process_ready")
         return session
-
-    async def _standing(self, member: MemberRecord | None, key: tuple[str, str, str]) -> ContextStatus:
-        """The status the member's next turn would have, read from its record, the resident pool
-        and the sandbox record only: a refused job starts nothing and changes nothing."""
-        sandbox = await self.store.get_sandbox(*key[:2])
-        if sandbox is not None and sandbox.state == SandboxState.LOST:
-            return ContextStatus.LOST
-        if member is None:
-            return ContextStatus.NEW
-        if member.lost_reason is not None:
-            return ContextStatus.LOST
-        if is_new(member):
-            return ContextStatus.NEW
-        if member.locator is None:
-            return ContextStatus.LOST
-        resident = self.pool.get(key)
-        if resident is not None and sandbox is not None and serves(resident, member.locator, sandbox.container_id):
-            return ContextStatus.LIVE
-        return ContextStatus.RESTORED
-
-    @staticmethod
-    def _note_replacement(ctx: TurnContext) -> None:
-        """SPEC 15: where the member's native state was last verified, against where it is now."""
-        m, sb = ctx.member, ctx.sandbox
-        if m is None or sb is None:
-            return
-        ctx.recreated = m.last_container_id is not None and m.last_container_id != sb.container_id
-        if m.last_image_id is not None and m.last_image_id != sb.image.id:
-            ctx.upgraded_from = UpgradedFrom(image_id=m.last_image_id, cli_version=m.last_cli_version)
 
     async def _launch(self, ctx: TurnContext, key: tuple[str, str, str], resume: Locator | None) -> NativeSession:
         job, sandbox = ctx.job, ctx.sandbox
@@ -410,7 +290,7 @@ class TurnRunner:
                     handle = await keepers.start(sandbox, dirs, launch, job.member_id)
                     mark("attached")
                 except KeeperError as exc:
-                    raise _NotStarted("keeper_unavailable", str(exc)) from None
+                    raise NotStarted("keeper_unavailable", str(exc)) from None
                 transport: Transport = exec_transport(handle.channel)
                 if self.hooks.wrap_transport is not None:
                     transport = self.hooks.wrap_transport(transport, job.runtime)
@@ -443,10 +323,10 @@ class TurnRunner:
                 if ctx.upgraded_from is not None:
                     raise Refusal("upgrade_incompatible", detail=f"{hf.reason.value}: {hf.detail}") from None
                 raise Refusal(hf.reason.value) from None
-            raise _NotStarted(f"handshake_{hf.reason.value}", hf.detail) from None
+            raise NotStarted(f"handshake_{hf.reason.value}", hf.detail) from None
         except TimeoutError:
             await self.pool.retire(key, "handshake timeout")
-            raise _NotStarted("handshake_timeout", f"no handshake within {self.handshake_timeout_s}s") from None
+            raise NotStarted("handshake_timeout", f"no handshake within {self.handshake_timeout_s}s") from None
         except BaseException:
             await self.pool.retire(key, "launch interrupted")
             raise
@@ -503,7 +383,7 @@ class TurnRunner:
             with anyio.CancelScope(shield=True):
                 await self.pool.retire(key, "turn cancelled")
                 why = self.cancel_reasons.get((job.user_id, job.job_id), "cancelled")
-                receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason=why)
+                receipt = build_receipt(ctx, Outcome.NOT_SETTLED, reason=why)
                 await self._commit(ctx, receipt, None)
             raise
         if self.detaching and resident is not None and resident.keeper is not None:
@@ -515,7 +395,7 @@ class TurnRunner:
         ctx.compacted = bool(getattr(outcome, "compacted", False))
         if isinstance(outcome, NotSettled):
             await self.pool.retire(key, f"not settled: {outcome.reason.value}")
-            receipt = self._receipt(ctx, Outcome.NOT_SETTLED, reason=outcome.reason.value, text=outcome.assistant_text,
+            receipt = build_receipt(ctx, Outcome.NOT_SETTLED, reason=outcome.reason.value, text=outcome.assistant_text,
                                     detail=outcome.detail)
             return await self._commit(ctx, receipt, None)
         observed = outcome.observed_locator
@@ -525,14 +405,14 @@ class TurnRunner:
             # Identity rule 1: a continuation reporting another id fails; nothing is saved.
             await self.pool.retire(key, "identity mismatch")
             detail = f"expected {expected}, CLI reported {observed}"
-            receipt = self._receipt(ctx, Outcome.FAILED, reason=FailureReason.IDENTITY_MISMATCH.value,
+            receipt = build_receipt(ctx, Outcome.FAILED, reason=FailureReason.IDENTITY_MISMATCH.value,
                                     settlement=outcome.model_copy(update={"detail": detail}),
                                     text=outcome.assistant_text)
             return await self._commit(ctx, receipt, None)
         session.locator = observed
         result = Outcome.FAILED if outcome.is_error else Outcome.SUCCEEDED
         reason = (outcome.reason.value if outcome.reason else "api_error") if outcome.is_error else None
-        receipt = self._receipt(ctx, result, reason=reason, settlement=outcome, text=outcome.assistant_text,
+        receipt = build_receipt(ctx, result, reason=reason, settlement=outcome, text=outcome.assistant_text,
                                 locator_after=observed.id)
         receipt = await self._commit(ctx, receipt, observed)
         current = self.pool.get(key)
@@ -546,14 +426,3 @@ class TurnRunner:
             # SPEC section 6: after a Claude api_retry, save the verified locator, then retire.
             await self.pool.retire(key, "retire_after (api_retry seen)")
         return receipt
-
-
-class Detached(Exception):
-    """The daemon is shutting down under a turn that runs on under its keeper (SPEC 14)."""
-
-
-class _NotStarted(Exception):
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.detail = detail

@@ -10,6 +10,8 @@ A turn that was in flight comes back as a :class:`Pending`: the supervisor finis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 
@@ -20,7 +22,9 @@ from runner.transport import exec_transport
 from sandbox_manager.keeper import KeeperError, KeeperIdentityMismatch
 from state.jobs import Job
 from state.keepers import KeeperRecord
-from state.records import SandboxState
+from state.receipts import Outcome, Receipt, SandboxInfo, Timings
+from state.records import JobRecord, SandboxState
+from state.contract import StoreContract
 
 log = structlog.get_logger("readopt")
 
@@ -114,3 +118,35 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
     log.info("keeper.adopted", member=key[2], runtime=rec.runtime, acked=rec.acked,
              in_flight=turn_job.job_id if turn_job else None)
     return None
+
+
+async def abandon(store: StoreContract, running: list[JobRecord], records: dict[tuple[str, str, str], KeeperRecord]) -> None:
+    """The jobs a dead daemon left running that no re-adopted keeper can finish never ran to
+    commit: each is closed ``not_settled`` ``daemon_restarted`` (never re-run: the CLI may
+    already have sent the message), with what its keeper record still knows."""
+    for rec in running:
+        member = await store.get_member(rec.user_id, rec.chat_id, rec.member_id)
+        now = datetime.now(UTC)
+        known = await _known_of(store, records.get((rec.user_id, rec.chat_id, rec.member_id)), rec.job_id)
+        fields: dict[str, Any] = {"context_status": None, "started_at": rec.created_at, **known}
+        receipt = Receipt(job_id=rec.job_id, user_id=rec.user_id, chat_id=rec.chat_id, member_id=rec.member_id,
+                          runtime=member.runtime if member else "unknown",
+                          outcome=Outcome.NOT_SETTLED, reason="daemon_restarted",
+                          locator_before=member.locator.id if member and member.locator else None,
+                          locator_after=member.locator.id if member and member.locator else None,
+                          finished_at=now, **fields)
+        await store.finish_job(rec.user_id, rec.job_id, receipt.model_dump_json(), None)
+        log.warning("job.abandoned", job_id=rec.job_id, owner=rec.owner)
+
+
+async def _known_of(store: StoreContract, keeper: KeeperRecord | None, job_id: str) -> dict[str, Any]:
+    """What a turn that cannot be finished still reports (SPEC 14): the status its stream
+    said, its sandbox, image, CLI version and the timings measured before it."""
+    if keeper is None or keeper.turn is None or Job.model_validate_json(keeper.turn.job_json).job_id != job_id:
+        return {}
+    sb = await store.get_sandbox(keeper.user_id, keeper.chat_id)
+    return {"context_status": keeper.turn.context_status, "started_at": keeper.turn.started_at,
+            "timings_ms": Timings.model_validate_json(keeper.turn.timings_json),
+            "cli_version": keeper.session.get("cli_version"),
+            "sandbox": SandboxInfo(container_id=keeper.container_id,
+                                   image_id=sb.image_id if sb and sb.container_id == keeper.container_id else None)}

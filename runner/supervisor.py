@@ -34,7 +34,7 @@ from runner.member_locks import MemberLocks
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
 from runner.keepers import Keepers
-from runner.readopt import Pending, readopt
+from runner.readopt import Pending, abandon, readopt
 from runner.resident_memory import ResidentMemory
 from runner.residents import Resident, ResidentPool
 from runner.sweeps import Sweeps
@@ -45,7 +45,7 @@ from sandbox_manager.engine import DockerEngine, Engine
 from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
 from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job
 from state.keepers import KeeperRecord
-from state.receipts import Outcome, Receipt, SandboxInfo, Timings
+from state.receipts import Outcome, Receipt
 from state.records import SandboxState
 from state.backends import open_store
 from state.contract import Fenced, StoreContract, StoreUnavailable
@@ -141,21 +141,7 @@ class Supervisor:
         except Exception as exc:  # noqa: BLE001 - the engine may be down: nothing adopted, all reaped
             log.warning("readopt.failed", error=repr(exc))
         finishing = {p.job.job_id for p in pending}
-        for rec in running:
-            if rec.job_id in finishing:
-                continue
-            member = await self.store.get_member(rec.user_id, rec.chat_id, rec.member_id)
-            now = datetime.now(UTC)
-            known = await self._known_of(records.get((rec.user_id, rec.chat_id, rec.member_id)), rec.job_id)
-            fields: dict[str, Any] = {"context_status": None, "started_at": rec.created_at, **known}
-            receipt = Receipt(job_id=rec.job_id, user_id=rec.user_id, chat_id=rec.chat_id, member_id=rec.member_id,
-                              runtime=member.runtime if member else "unknown",
-                              outcome=Outcome.NOT_SETTLED, reason="daemon_restarted",
-                              locator_before=member.locator.id if member and member.locator else None,
-                              locator_after=member.locator.id if member and member.locator else None,
-                              finished_at=now, **fields)
-            await self.store.finish_job(rec.user_id, rec.job_id, receipt.model_dump_json(), None)
-            log.warning("job.abandoned", job_id=rec.job_id, owner=rec.owner)
+        await abandon(self.store, [rec for rec in running if rec.job_id not in finishing], records)
         try:
             n = await self.manager.reap_orphans(keep=keep)
         except Exception as exc:  # noqa: BLE001 - the engine may be down; readiness says so
@@ -164,18 +150,6 @@ class Supervisor:
         if n:
             log.info("orphans.reaped", groups=n)
         return pending
-
-    async def _known_of(self, keeper: KeeperRecord | None, job_id: str) -> dict[str, Any]:
-        """What a turn that cannot be finished still reports (SPEC 14): the status its stream
-        said, its sandbox, image, CLI version and the timings measured before it."""
-        if keeper is None or keeper.turn is None or Job.model_validate_json(keeper.turn.job_json).job_id != job_id:
-            return {}
-        sb = await self.store.get_sandbox(keeper.user_id, keeper.chat_id)
-        return {"context_status": keeper.turn.context_status, "started_at": keeper.turn.started_at,
-                "timings_ms": Timings.model_validate_json(keeper.turn.timings_json),
-                "cli_version": keeper.session.get("cli_version"),
-                "sandbox": SandboxInfo(container_id=keeper.container_id,
-                                       image_id=sb.image_id if sb and sb.container_id == keeper.container_id else None)}
 
     async def _finish(self, p: Pending, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                       ) -> None:

@@ -43,13 +43,8 @@ from typing import Any
 import docker.errors
 import pytest
 
-from drivers.bridge.launch import native_db
-from drivers.claude import ClaudeDriver
-from drivers.codex import CodexDriver
-from drivers.models import Locator
-from runner.processes import member_paths
 from sandbox_manager.engine import DATA_ROOT_LABEL, DATA_ROOT_VOLUME
-from sandbox_manager.sandboxes import LABEL_CHAT, LABEL_IDENTITY, SandboxManager, digest
+from sandbox_manager.sandboxes import LABEL_CHAT, LABEL_IDENTITY, digest
 from state.records import MemberRecord
 from tests.regression.conftest import regression_daemon
 from tests.regression.native_state import agent_sh, native_state_paths

@@ -30,7 +30,6 @@ from drivers.models import (
     ToolFinished,
     ToolStarted,
 )
-from drivers.transport import TransportClosed
 from tests.support.claude_replay import ScriptedTransport, Step
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "claude"

@@ -18,9 +18,7 @@ import pytest
 
 from sandbox_manager.keeper import (
     KeeperBroken,
-    KeeperChannel,
     KeeperDetached,
-    KeeperIdentity,
     KeeperIdentityMismatch,
     KeeperRefused,
     KeeperUnavailable,

@@ -66,8 +66,40 @@ for method, path in (("GET", "/m/m1/_fixture/requests"), ("POST", "/m/m1/_fixtur
     out["http"][f"{method} {path}"] = c.getresponse().status
     c.close()
 out["model_dir"] = sorted(os.listdir("/run/cloud-agent/model"))
+# what a CLI's telemetry or update check meets: a lookup and a connect that fail at once (no
+# interface but lo, no route: nothing leaves the sandbox), in Python and in Node (the CLIs' own)
+import subprocess, time
+def timed(f):
+    t = time.monotonic()
+    try:
+        f()
+        result = "ok"
+    except OSError as exc:
+        result = type(exc).__name__
+    return [result, round((time.monotonic() - t) * 1000)]
+out["lookup"] = {n: timed(lambda n=n: socket.getaddrinfo(n, 443)) for n in NAMES}
+out["connect_out"] = timed(lambda: socket.create_connection(("192.0.2.1", 443), timeout=30))
+node = subprocess.run(["node", "-e", NODE_PROBE, *NAMES], capture_output=True, text=True, timeout=60)
+out["node"] = json.loads(node.stdout.strip().splitlines()[-1]) if node.returncode == 0 else node.stderr
 print(json.dumps(out))
 """
+# names the pinned CLIs' telemetry, update and catalogue checks use (192.0.2.1 is TEST-NET-1)
+NAMES = ["statsig.anthropic.com", "registry.npmjs.org", "models.dev", "api.openai.com"]
+NODE_PROBE = r"""
+const dns = require('dns'), net = require('net');
+const names = process.argv.slice(1), out = {lookup: {}};
+const timed = (start, f) => new Promise(done => f(err => done([err ? err.code : 'ok', Date.now() - start])));
+(async () => {
+  for (const n of names) out.lookup[n] = await timed(Date.now(), cb => dns.lookup(n, e => cb(e)));
+  out.connect_out = await timed(Date.now(), cb => {
+    const s = net.connect({host: '192.0.2.1', port: 443, timeout: 30000}, () => { s.destroy(); cb(null); });
+    s.on('error', e => cb(e)); s.on('timeout', () => { s.destroy(); cb({code: 'TIMEOUT'}); });
+  });
+  console.log(JSON.stringify(out));
+})();
+"""
+PROBE = PROBE.replace("NAMES", repr(NAMES)).replace("NODE_PROBE", repr(NODE_PROBE))
+FAIL_FAST_MS = 500  # a wait would be the resolver's or TCP's own timeout: seconds
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +153,12 @@ def test_the_sandbox_is_sealed_and_never_holds_the_key(runtime, fx, tmp_path, sa
                                "GET /v1/models": 403, "POST /v1/messages": 403,
                                "POST /m/m1/v1/../_fixture/reset": 403, "GET /m/m1/metrics": 403}
         assert out["model_dir"] == ["model.sock"]
+        # telemetry and update checks fail fast, in Python and in Node: no lookup answers, no
+        # connect leaves, none waits
+        for probe in (out, out["node"]):
+            assert set(probe["lookup"]) == set(NAMES), out
+            assert all(r != "ok" and ms < FAIL_FAST_MS for r, ms in probe["lookup"].values()), out
+            assert probe["connect_out"][0] in ("OSError", "ENETUNREACH") and probe["connect_out"][1] < FAIL_FAST_MS, out
         container.reload()
         assert key not in json.dumps(container.attrs)
         for exec_id in container.attrs.get("ExecIDs") or []:

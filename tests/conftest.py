@@ -18,15 +18,26 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def docker_client():
     import docker
+    import docker.errors
 
     from deploy.engine import EngineConfig, ping
+    from runner.probe import PROBE_LABEL
 
     cfg = EngineConfig.from_env()
     if not ping(cfg.socket_path):
         pytest.fail(f"no Docker engine answers on {cfg.socket_path}: run `python -m deploy.engine` first "
                     "(the README's test command does)")
     client = docker.DockerClient(base_url=f"unix://{cfg.socket_path}")
+    before = {c["Id"] for c in client.api.containers(all=True, filters={"label": PROBE_LABEL})}
     yield client
+    # A daemon killed (kill -9) while its reverse probe runs leaves the probe's container; the
+    # next daemon of that host sweeps it, but a test's host never comes back.
+    for c in client.api.containers(all=True, filters={"label": PROBE_LABEL}):
+        if c["Id"] not in before:
+            try:
+                client.api.remove_container(c["Id"], force=True)
+            except docker.errors.APIError:
+                pass
     client.close()
 
 

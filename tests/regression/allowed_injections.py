@@ -55,6 +55,12 @@ CLI_ANNOTATIONS: dict[str, list[re.Pattern[str]]] = {
                    rf"# currentDate\nToday's date is {_DATE}\.\n\n      IMPORTANT: this context may or may not be "
                    r"relevant to your tasks\. You should not respond to this context unless it is highly relevant "
                    r"to your task\.\n</system-reminder>"),
+        # Claude 2.1.332 (the upgrade test's second image, SPEC 15) on its first turn of a session
+        # an older version began: its own git attribution guidance (measured; not supervisor text)
+        re.compile(r"<system-reminder>\nAttribution for git commits and pull requests you create from here on "
+                   r"\(this replaces Claude Code's own earlier attribution guidance[^<]*"
+                   r"Co-Authored-By: Claude Code <noreply@anthropic\.com>\n[^<]*Generated with "
+                   r"\[Claude Code\]\(https://claude\.com/claude-code\)\n</system-reminder>"),
     ],
     "codex": [
         re.compile(r"<environment_context>\n  <cwd>[^<\n]*</cwd>\n  <shell>\w+</shell>\n"

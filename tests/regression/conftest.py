@@ -34,6 +34,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture
 from drivers.transport import Transport
+from runner.config import Settings
 from runner.turn import TestHooks
 from sandbox_manager.sandboxes import LABEL_HOST
 from tests.daemon_harness import RunningDaemon, daemon_settings, running_daemon
@@ -77,6 +78,16 @@ async def regression_daemon(fx: LoopbackFixture, image: str, docker_client: Any,
     home = base / f"home-{uuid.uuid4().hex[:10]}"
     settings = daemon_settings(home, fx.base_url, image, **overrides)
     host_id = settings.resolved_host_id()
+    try:
+        async with recorded_daemon(settings, hooks=hooks) as d:
+            yield d
+    finally:
+        remove_host_containers(docker_client, host_id)
+
+
+@asynccontextmanager
+async def recorded_daemon(settings: Settings, *, hooks: TestHooks | None = None) -> AsyncIterator[RunningDaemon]:
+    """``running_daemon`` with every CLI's transport recorded as ``d.wire``."""
     wire = WireRecorder()
     hooks = hooks or TestHooks()
     outer = hooks.wrap_transport
@@ -85,12 +96,9 @@ async def regression_daemon(fx: LoopbackFixture, image: str, docker_client: Any,
         recorded = wire.wrap(transport, runtime)
         return outer(recorded, runtime) if outer is not None else recorded
 
-    try:
-        async with running_daemon(settings, hooks=replace(hooks, wrap_transport=wrap)) as d:
-            d.wire = wire
-            yield d
-    finally:
-        remove_host_containers(docker_client, host_id)
+    async with running_daemon(settings, hooks=replace(hooks, wrap_transport=wrap)) as d:
+        d.wire = wire
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,8 @@ import pytest
 from images.build import ensure_image
 from images.pins import load_pins
 from runner.turn import TestHooks as Hooks  # not collected as a test class
-from tests.daemon_harness import RunningDaemon, daemon_settings, running_daemon
-from tests.regression.conftest import remove_host_containers
+from tests.daemon_harness import RunningDaemon, daemon_settings
+from tests.regression.conftest import recorded_daemon, remove_host_containers
 from tests.regression.history_helpers import Member, TurnResult, token
 from tests.regression.native_state import agent_sh, native_state_paths
 from tests.supervisor_helpers import high_water
@@ -90,7 +90,7 @@ async def upgraded(fx, sandbox_image, upgrade_image, docker_client,
     first = daemon_settings(home, fx.base_url, sandbox_image)
     chats: dict[str, UpgradeChat] = {}
     try:
-        async with running_daemon(first) as d1:
+        async with recorded_daemon(first) as d1:
             for runtime in RUNTIMES:
                 m1 = Member(d1, fx, runtime)
                 await m1.turn(token("on the first image: remember the word saffron"), "NEW")
@@ -105,7 +105,7 @@ async def upgraded(fx, sandbox_image, upgrade_image, docker_client,
                 assert code == 0, out
                 chats[runtime] = UpgradeChat(m1, m2, before, before.receipt["sandbox"]["image_id"])
         second = daemon_settings(home, fx.base_url, upgrade_image)
-        async with running_daemon(second, hooks=Hooks(pins=load_pins(UPGRADE_PINS))) as d2:
+        async with recorded_daemon(second, hooks=Hooks(pins=load_pins(UPGRADE_PINS))) as d2:
             for chat in chats.values():
                 chat.m1.d = chat.m2.d = d2
             yield d2, chats

@@ -25,8 +25,8 @@ import docker
 
 from deploy.loopback import LoopbackFixture
 from images.build import ensure_image
-from tests.daemon_harness import daemon_settings, running_daemon
-from tests.regression.conftest import remove_host_containers
+from tests.daemon_harness import daemon_settings
+from tests.regression.conftest import recorded_daemon, remove_host_containers
 from tests.regression.history_helpers import Member, token
 
 RUNTIMES = ["claude", "codex", "pi", "opencode", "kilo"]
@@ -39,7 +39,7 @@ async def bench(runtimes: list[str], rounds: int) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-volumes-") as tmp, LoopbackFixture.start() as fx:
         settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
         try:
-            async with running_daemon(settings) as d:
+            async with recorded_daemon(settings) as d:
                 for i in range(rounds):
                     for runtime in runtimes:
                         m = Member(d, fx, runtime)

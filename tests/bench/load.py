@@ -50,6 +50,11 @@ async def main(args: argparse.Namespace) -> None:
     print(f"peak resident memory (sampled {result.samples}x from the host): {result.peak_bytes / MiB:.0f} MiB "
           f"= {100 * result.peak_bytes / (args.budget_mb * MiB):.0f}% of the budget"
           f" -> {'never over' if result.peak_bytes <= args.budget_mb * MiB else 'OVER'}")
+    at_peak: dict[str, list[int]] = {}
+    for _, name, rss in sampler.peak_processes:
+        at_peak.setdefault(name, []).append(rss)
+    print(f"  at the peak, {len({c for c, _, _ in sampler.peak_processes})} sandboxes: " + ", ".join(
+        f"{name} x{len(v)} {sum(v) / MiB:.0f} MiB" for name, v in sorted(at_peak.items(), key=lambda kv: -sum(kv[1]))))
     print(f"wall {result.wall_s:.1f} s, {n / result.wall_s:.2f} turns/s")
     for status, (count, p50, p99) in result.latency_by_status().items():
         print(f"  {status:<9} n={count:<4} p50 {p50:8.0f} ms   p99 {p99:8.0f} ms")

@@ -24,6 +24,10 @@ MiB = 1024 * 1024
 
 
 def cli_rss_of_container(init_pid: int) -> int:
+    return sum(rss for _, rss in cli_processes_of_container(init_pid))
+
+
+def cli_processes_of_container(init_pid: int) -> list[tuple[str, int]]:
     """RSS of every process in the sandbox but the sandbox's own: its init (docker-init) and the
     container's command (``ca-modelgate``, the init's first child: keepers daemonize and are
     re-parented to the init too, later; the command lives as long as the sandbox
@@ -52,14 +56,14 @@ def cli_rss_of_container(init_pid: int) -> int:
         procs.append((pid, int(fields[1]), int(fields[2]), int(fields[19]), status))
     children = sorted((start, pid) for pid, ppid, _, start, _ in procs if ppid == init_pid)
     own = {init_pid} | ({children[0][1]} if children else set())
-    total = 0
+    out: list[tuple[str, int]] = []  # (name, rss bytes)
     for _, _, pgrp, _, status in procs:
         if pgrp in own:
             continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+        lines = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if "VmRSS" in lines:
+            out.append((lines.get("Name", "?").strip(), int(lines["VmRSS"].split()[0]) * 1024))
+    return out
 
 
 @dataclass
@@ -70,6 +74,8 @@ class MemorySampler:
     period_s: float = 0.25
     peak_bytes: int = 0
     samples: int = 0
+    # at the peak: (container, process name, rss) of every process counted
+    peak_processes: list[tuple[str, str, int]] = field(default_factory=list)
     _inits: dict[str, int] = field(default_factory=dict)
 
     def _sample(self) -> int:
@@ -77,7 +83,7 @@ class MemorySampler:
         try:
             rows = client.api.containers(filters={"label": f"org.cloud-agent.host-id={self.host_id}",
                                                   "status": "running"})
-            total = 0
+            counted: list[tuple[str, str, int]] = []
             for row in rows:
                 cid = row["Id"]
                 if cid not in self._inits:
@@ -85,7 +91,10 @@ class MemorySampler:
                         self._inits[cid] = client.api.inspect_container(cid)["State"]["Pid"]
                     except docker.errors.NotFound:
                         continue
-                total += cli_rss_of_container(self._inits[cid])
+                counted += [(cid[:12], name, rss) for name, rss in cli_processes_of_container(self._inits[cid])]
+            total = sum(rss for _, _, rss in counted)
+            if total > self.peak_bytes:
+                self.peak_processes = counted
             return total
         finally:
             client.close()

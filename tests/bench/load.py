@@ -21,6 +21,7 @@ import docker
 from deploy.loopback import LoopbackFixture
 from images.build import ensure_image
 from tests.daemon_harness import daemon_settings, running_daemon
+from tests.regression.conftest import remove_host_containers
 from tests.support.load import MiB, MemorySampler, chats_for, run_load
 
 
@@ -40,10 +41,7 @@ async def main(args: argparse.Namespace) -> None:
                 sampler = MemorySampler(settings.resolved_host_id())
                 result = await run_load(d, fx, chats_for(args.chats), args.turns, sampler)
         finally:
-            client = docker.from_env()
-            for row in client.api.containers(all=True, filters={
-                    "label": f"org.cloud-agent.host-id={settings.resolved_host_id()}"}):
-                client.api.remove_container(row["Id"], force=True)
+            remove_host_containers(docker.from_env(), settings.resolved_host_id())  # and their state volumes
     n = len(result.turns)
     print(f"chats {args.chats} x turns {args.turns} = {n} turns, budget {args.budget_mb} MiB, "
           f"max_turns {settings.max_turns}")

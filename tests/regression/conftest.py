@@ -23,6 +23,7 @@ pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]``.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -106,3 +107,15 @@ async def daemon(fx: LoopbackFixture, sandbox_image: str, docker_client: Any,
                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningDaemon]:
     async with regression_daemon(fx, sandbox_image, docker_client, tmp_path_factory.mktemp("regression")) as d:
         yield d
+
+
+def print_report(request: pytest.FixtureRequest, lines: list[str]) -> None:
+    """Write a module's report to the terminal at its end, past output capture (nothing when
+    the module produced no lines)."""
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if tr is None or not lines:
+        return
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        for line in ["", *lines]:
+            tr.write_line(line)

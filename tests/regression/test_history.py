@@ -22,7 +22,6 @@ to its test. The matrix with each scenario's duration is printed at the end of t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
@@ -34,7 +33,7 @@ import pytest
 import runner.turn
 from deploy.loopback import Message, compare_history, cut, default_reply, fail, reject, user_texts
 from tests.daemon_harness import RunningDaemon
-from tests.regression.conftest import regression_daemon
+from tests.regression.conftest import print_report, regression_daemon
 from tests.regression.history_helpers import Member, TurnResult, token
 
 pytestmark = [pytest.mark.regression, pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
@@ -48,16 +47,12 @@ _MATRIX: list[tuple[str, str, str, float]] = []
 @pytest.fixture(scope="module", autouse=True)
 def _matrix_report(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if tr is None or not _MATRIX:
+    if not _MATRIX:
         return
-    lines = ["", "request-history matrix (scenario, runtime, result, seconds):"]
+    lines = ["request-history matrix (scenario, runtime, result, seconds):"]
     lines += [f"  {scenario:<62} {runtime:<9} {result:<5} {seconds:7.2f}" for scenario, runtime, result, seconds in _MATRIX]
     lines.append(f"  sum of scenario durations: {sum(s for *_, s in _MATRIX):.1f}s")
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-        for line in lines:
-            tr.write_line(line)
+    print_report(request, lines)
 
 
 @pytest.fixture(autouse=True)

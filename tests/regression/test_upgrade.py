@@ -27,7 +27,6 @@ new image on the same volume. Then:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from images.build import ensure_image
 from images.pins import load_pins
 from runner.turn import TestHooks as Hooks  # not collected as a test class
 from tests.daemon_harness import RunningDaemon, daemon_settings
-from tests.regression.conftest import recorded_daemon, remove_host_containers
+from tests.regression.conftest import print_report, recorded_daemon, remove_host_containers
 from tests.regression.history_helpers import Member, TurnResult, token
 from tests.regression.native_state import agent_sh, native_state_paths
 from tests.supervisor_helpers import high_water
@@ -54,13 +53,7 @@ _REPORT: list[str] = []
 @pytest.fixture(scope="module", autouse=True)
 def _print_report(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if tr is None or not _REPORT:
-        return
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-        for line in ["", *_REPORT]:
-            tr.write_line(line)
+    print_report(request, _REPORT)
 
 
 @pytest.fixture(scope="module")

@@ -78,17 +78,30 @@ class Fleet:
         return lease
 
     async def _lease_loop(self) -> None:
+        """Renew every third of the TTL. An attempt gets at most that long, and a failed one is
+        retried within a second: an outage shorter than the lease's remaining time (a store
+        restart) costs nothing, and no single stuck call can outlast the lease."""
         assert self.lease is not None
         period = self.ttl_s / 3
+        retry = min(1.0, period / 2)
+        delay = period
         while not self.fenced:
-            await anyio.sleep(period)
+            await anyio.sleep(delay)
+            delay = retry
             if self._lease_paused is not None and self._lease_paused():
+                delay = period
                 continue
             t = time.monotonic()
-            try:
-                renewed = await self.store.renew_lease(self.lease, self.ttl_s)
-            except StoreUnavailable as exc:
-                log.warning("fleet.renew_failed", error=str(exc))  # the lease may still expire: then fenced
+            renewed: HostLease | None = None
+            with anyio.move_on_after(period) as attempt:
+                try:
+                    renewed = await self.store.renew_lease(self.lease, self.ttl_s)
+                except StoreUnavailable as exc:
+                    log.warning("fleet.renew_failed", error=str(exc), lease_left_s=round(self._valid_until - t, 1))
+                    continue
+            if attempt.cancelled_caught:
+                log.warning("fleet.renew_failed", error=f"no answer within {period:.1f} s",
+                            lease_left_s=round(self._valid_until - t, 1))
                 continue
             if renewed is None:
                 # Expired or superseded: this epoch is over. Stop accepting work; the store
@@ -98,6 +111,7 @@ class Fleet:
                 return
             self.lease = renewed
             self._valid_until = t + self.ttl_s
+            delay = period
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Fleet]:

@@ -91,6 +91,7 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
         self._opened = True
 
     async def aclose(self) -> None:
+        await self._drop_lease_conn()
         await self._pool.close()
 
     def close(self) -> None:

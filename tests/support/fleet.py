@@ -54,10 +54,16 @@ class Engine:
             raise EngineSetupError("start dockerd", f"engine {self.index} did not answer")
 
     def kill(self) -> None:
-        """The host dies: SIGKILL its dockerd (its API is gone at once)."""
+        """The host dies: SIGKILL its dockerd (its API is gone at once) and the containerd it
+        runs. A containerd left behind outlives its dockerd for a while; an engine restarted
+        in that window found it "still running", could not reach it, and failed to start
+        (seen in CI when a test failed right after the kill and teardown restarted at once)."""
+        containerd = _pid_in(Path(self.cfg.exec_root or "") / "containerd" / "containerd.pid")
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
+        if containerd is not None:
+            _kill_and_reap(containerd, b"containerd")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -142,20 +148,39 @@ def _suite_lock() -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _pid_in(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _kill_and_reap(pid: int, name: bytes, must_mention: bytes | None = None) -> None:
+    """SIGKILL ``pid`` if it still is ``name`` (pids are reused) and wait up to 10 s for it to go."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return
+    if cmdline[:1] != [name] or (must_mention is not None and must_mention not in cmdline):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    for _ in range(100):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # dead, not yet reaped by its new parent
+        except OSError:
+            break
+        time.sleep(0.1)
+
+
 def _reclaim(data_root: Path) -> None:
     """A dockerd an earlier run of this harness left on this data root (its pidfile says so)."""
-    pidfile = data_root.parent / f"{data_root.name}.pid"
-    try:
-        pid = int(pidfile.read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except (OSError, ValueError):
-        return
-    if cmdline[:1] == [b"dockerd"] and str(data_root).encode() in cmdline:
-        os.kill(pid, signal.SIGKILL)
-        for _ in range(100):
-            if not Path(f"/proc/{pid}").exists():
-                break
-            time.sleep(0.1)
+    pid = _pid_in(data_root.parent / f"{data_root.name}.pid")
+    if pid is not None:
+        _kill_and_reap(pid, b"dockerd", must_mention=str(data_root).encode())
 
 
 @contextmanager

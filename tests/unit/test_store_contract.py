@@ -503,6 +503,36 @@ async def test_postgres_outage_is_store_unavailable_and_short_ones_are_ridden_ou
         await impatient.aclose()
 
 
+async def test_postgres_lease_heartbeat_fails_fast_in_an_outage_and_renews_once_the_server_is_back(request) -> None:
+    """One attempt on its own connection: no pool checkout wait, no retry loop (those took
+    10 s of a 20 s lease in CI); the fleet's lease loop does the retrying."""
+    from state.contract import StoreUnavailable
+
+    pg = request.getfixturevalue("pg")
+    store = PostgresStore(pg.create_database())  # the daemon's pool settings: 10 s checkout, 10 s retry
+    await store.open()
+    lease = await store.register_host("h", "http://127.0.0.1:1", 1, ttl_s=120)
+    assert await store.renew_lease(lease, 120) is not None
+    try:
+        await anyio.to_thread.run_sync(pg.stop)
+        errors = []
+        for _ in range(2):  # its connection was shut down; then no server to connect to
+            t = anyio.current_time()
+            with pytest.raises(StoreUnavailable, match="^store lease heartbeat: ") as exc:
+                await store.renew_lease(lease, 120)
+            assert anyio.current_time() - t < 3.0
+            errors.append(str(exc.value))
+        assert errors == ["store lease heartbeat: AdminShutdown", "store lease heartbeat: OperationalError"]
+        await anyio.to_thread.run_sync(pg.start)
+        t = anyio.current_time()
+        renewed = await store.renew_lease(lease, 120)
+        assert renewed is not None and renewed.epoch == lease.epoch and anyio.current_time() - t < 3.0
+    finally:
+        if not (pg.root / "data" / "postmaster.pid").exists():
+            await anyio.to_thread.run_sync(pg.start)
+        await store.aclose()
+
+
 # -- deleting a chat ------------------------------------------------------------------------------
 
 

@@ -1,11 +1,11 @@
 """The resident memory budget at work: readings, the launch gate and the periodic check.
 
 Readings come from the host (sandbox_manager.proc_memory, in a worker thread) and are
-cached: refreshed on a period and before every launch. A launch first reserves its
-runtime's estimate — so concurrent launches never count the same room twice — after the
-retirements its plan needs have completed (their memory is counted until the kill is
-done), and the reservation ends once the resident is in the pool (counted by its estimate
-until its first reading). Retiring takes the member's lock without waiting: a resident
+cached: refreshed on a period and before every launch. Launches make room one at a time,
+first come first served. A launch first reserves its runtime's estimate — so concurrent
+launches never count the same room twice — after the retirements its plan needs have
+completed (their memory is counted until the kill is done), and the reservation ends once
+the resident is in the pool (counted by its estimate until its first reading). Retiring takes the member's lock without waiting: a resident
 whose member has work in flight or waiting is busy and never retired for the budget.
 """
 
@@ -61,6 +61,7 @@ class ResidentMemory:
         self.metrics = BudgetMetrics(registry)
         self.metrics.budget.set(budget_bytes)
         self.reserved: dict[MemberKey, int] = {}
+        self._launch_queue: list[object] = []  # launches waiting to make room, in arrival order
         self._pss: dict[int, int] = {}  # id(resident) -> its last PSS reading
         self.last_reading = 0.0
         self._reading = anyio.Lock()
@@ -156,30 +157,43 @@ class ResidentMemory:
             self.reserved.pop(key, None)
 
     async def _make_room(self, key: MemberKey, runtime: str) -> None:
+        """Launches make room one at a time, in arrival order. Without the order a launch that
+        needs more room than a later one lost every race for the room a turn's end freed:
+        in the 48-chat load run five Kilo/OpenCode launches waited the whole turn timeout
+        and then went ahead over the budget. A waiting head holds back smaller launches
+        that would fit now; that is the price of never starving the larger ones."""
         deadline = time.monotonic() + self.max_wait_s
         waited = False
-        while True:
-            await self.refresh()
-            plan = self.policy.plan(self.uses(), runtime, sum(self.reserved.values()))
-            if plan.fits:
-                self.reserved[key] = plan.need
-                if await self._retire(plan.retire, "launch") == len(plan.retire):
-                    return
-                del self.reserved[key]  # one of them became busy: plan again
-                continue
-            if time.monotonic() > deadline:
-                self.metrics.overcommits.inc()
-                log.warning("memory_budget.overcommit", runtime=runtime, used=plan.used, need=plan.need,
-                            budget=self.policy.budget)
-                self.reserved[key] = plan.need
-                return
-            if not waited:
-                waited = True
-                self.metrics.waits.inc()
-                log.info("memory_budget.launch_waits", runtime=runtime, used=plan.used, need=plan.need,
-                         budget=self.policy.budget)
-            with anyio.move_on_after(1.0):  # or as soon as a turn ends or a resident retires
-                await self._changed.wait()
+        ticket = object()
+        self._launch_queue.append(ticket)
+        try:
+            while True:
+                if self._launch_queue[0] is ticket:
+                    await self.refresh()
+                    plan = self.policy.plan(self.uses(), runtime, sum(self.reserved.values()))
+                    if plan.fits:
+                        self.reserved[key] = plan.need
+                        if await self._retire(plan.retire, "launch") == len(plan.retire):
+                            return
+                        del self.reserved[key]  # one of them became busy: plan again
+                        continue
+                    if time.monotonic() > deadline:
+                        self.metrics.overcommits.inc()
+                        log.warning("memory_budget.overcommit", runtime=runtime, used=plan.used, need=plan.need,
+                                    budget=self.policy.budget)
+                        self.reserved[key] = plan.need
+                        return
+                if not waited:
+                    waited = True
+                    self.metrics.waits.inc()
+                    log.info("memory_budget.launch_waits", runtime=runtime, ahead=self._launch_queue.index(ticket),
+                             budget=self.policy.budget)
+                with anyio.move_on_after(1.0):  # or as soon as a turn ends, a resident retires or a launch goes
+                    await self._changed.wait()
+        finally:
+            self._launch_queue.remove(ticket)
+            if self._launch_queue:
+                self.notify()  # the next launch in line plans now
 
     # -- the periodic check -----------------------------------------------------------------------
 

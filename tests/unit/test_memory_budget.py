@@ -107,7 +107,8 @@ class FakeReader:
                 for p in pgids if p in self.sizes}
 
 
-def resident(pool: ResidentPool, reader: FakeReader, name: str, pgid: int, mib: int, last: float) -> Resident:
+def resident(pool: ResidentPool, reader: FakeReader, name: str, pgid: int, mib: int, last: float,
+             runtime: str = "codex") -> Resident:
     async def nothing(*args: Any) -> None:
         return None
 
@@ -115,7 +116,7 @@ def resident(pool: ResidentPool, reader: FakeReader, name: str, pgid: int, mib: 
         return None
 
     session = SimpleNamespace(transport=SimpleNamespace(alive=True, receive=eof), locator=None, close=nothing)
-    r = Resident(key=("u", "c", name), runtime="codex", session=session, container_id="ctr",  # type: ignore[arg-type]
+    r = Resident(key=("u", "c", name), runtime=runtime, session=session, container_id="ctr",  # type: ignore[arg-type]
                  pidfile=f"/run/{pgid}.pid", kill=nothing, aclose=nothing, last_used=last, host_init_pid=1)
     reader.sizes[pgid] = mib
     pool.add(r)
@@ -168,6 +169,55 @@ async def test_the_gate_retires_the_lru_idle_resident_and_waits_for_a_busy_one()
     assert 'cloud_agent_resident_memory_retirements_total{cause="launch"} 2.0' in text
     assert "cloud_agent_resident_memory_launch_waits_total 1.0" in text
     assert sample(registry, "cloud_agent_resident_memory_budget_bytes") == 500 * MiB
+
+
+async def test_launches_make_room_in_arrival_order_so_a_large_one_is_not_starved() -> None:
+    """A Claude launch (300 MiB) waits first, a Codex launch (160) after it. When one 150 MiB
+    turn ends, only the Codex launch would fit; it must not take the room ahead of Claude,
+    which would then wait behind every smaller launch (the load run's overcommits)."""
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=CollectorRegistry(), refresh_s=60,
+                         max_wait_s=30, reader=reader)  # type: ignore[arg-type]
+    for name, pgid, last in (("b", 12, 2), ("c", 13, 3), ("d", 14, 4)):
+        resident(pool, reader, name, pgid, 150, last=last)
+    order: list[str] = []
+    ends = {name: anyio.Event() for name in "bcd"}
+
+    async def turn(name: str) -> None:
+        async with locks.hold(("u", "c", name)):
+            await ends[name].wait()
+            order.append(f"{name} ended")
+        mem.notify()
+
+    finished = anyio.Event()
+
+    async def launch(name: str, runtime: str) -> None:  # its turn holds its member's lock throughout
+        async with locks.hold(("u", "c", name)):
+            async with mem.launching(("u", "c", name), runtime):
+                order.append(f"{name} launched")
+                resident(pool, reader, name, 20 + len(order), FLOOR_ESTIMATES[runtime] // MiB, last=10 + len(order),
+                         runtime=runtime)
+            await finished.wait()
+
+    async with anyio.create_task_group() as tg:
+        for name in "bcd":
+            tg.start_soon(turn, name)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(launch, "claude-e", "claude")
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(launch, "codex-f", "codex")
+        await anyio.wait_all_tasks_blocked()
+        ends["c"].set()  # 300 free with c retired: Codex would fit, Claude not yet
+        await anyio.wait_all_tasks_blocked()
+        assert order == ["c ended"], order
+        ends["b"].set()  # b and c retired: Claude fits (150 + 300), first; Codex waits for d
+        await anyio.wait_all_tasks_blocked()
+        assert order == ["c ended", "b ended", "claude-e launched"], order
+        ends["d"].set()
+        await anyio.wait_all_tasks_blocked()
+        finished.set()
+    assert order == ["c ended", "b ended", "claude-e launched", "d ended", "codex-f launched"], order
+    assert sorted(k[2] for k in pool.keys()) == ["claude-e", "codex-f"]
 
 
 async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:

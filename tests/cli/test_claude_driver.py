@@ -510,6 +510,17 @@ def _unordered(kind: str) -> bool:
     return kind.startswith(("recv system/status", "recv rate_limit_event", "recv system/hook"))
 
 
+# Whether the background child's own ``sleep 3`` Bash becomes a ``local_bash`` task of its own
+# (a task_started without the agent's prompt, and its task_notification without usage) races
+# the parent's result: the committed run has it, a CI run under load (2.1.220) had not. The
+# agent's task_started/task_notification, which the driver waits on, stay compared.
+_CHILD_BASH_TASK = {
+    "recv system/task_started [description,session_id,subtype,task_id,task_type,tool_use_id,type,uuid]",
+    "recv system/task_notification [output_file,session_id,status,subtype,summary,task_id,tool_use_id,type,uuid]",
+}
+_IGNORED = {"background_origin": _CHILD_BASH_TASK}
+
+
 def _shape_problems(names: list[str]) -> list[str]:
     """A fresh capture against the committed recording of each scenario (ids, timestamps and the
     number of text deltas aside: tests/support/recording_shape.py)."""
@@ -519,7 +530,9 @@ def _shape_problems(names: list[str]) -> list[str]:
     for name in names:
         fresh = stream_kinds(CAPTURE_DIR / f"{name}.jsonl", claude_kind)
         committed = stream_kinds(DATA / f"{name}.jsonl", claude_kind)
-        problems += [f"{name}: {p}" for p in compare(fresh, committed, unordered=_unordered)]
+        ignored = _IGNORED.get(name, set())
+        problems += [f"{name}: {p}" for p in compare(fresh, committed, unordered=_unordered,
+                                                         ignored=ignored.__contains__)]
     return problems
 
 

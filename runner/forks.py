@@ -30,7 +30,10 @@ from runner.residents import ResidentPool
 from runner.transport import exec_transport
 from runner.turn import TurnRunner
 from runner.turn_context import to_locator, to_saved
-from sandbox_manager.sandboxes import ImageRefused, Sandbox, SandboxLost, SandboxManager
+from sandbox_manager.chat_containers import ImageRefused
+from sandbox_manager.identity import SandboxLost
+from sandbox_manager.sandbox import Sandbox
+from sandbox_manager.sandboxes import SandboxManager
 from state.contract import VerifiedIn
 from state.jobs import ForkRequest
 from state.records import MemberRecord, PendingFork

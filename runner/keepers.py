@@ -21,7 +21,9 @@ from sandbox_manager import keeper_sandbox
 from sandbox_manager.engine import FileEntry
 from sandbox_manager.keeper import KeeperChannel, KeeperIdentity
 from sandbox_manager.keeper_sandbox import KeeperPaths
-from sandbox_manager.sandboxes import MemberDirs, Sandbox, SandboxManager
+from sandbox_manager.member_processes import MemberDirs
+from sandbox_manager.sandbox import Sandbox
+from sandbox_manager.sandboxes import SandboxManager
 from state.contract import StoreContract
 from state.jobs import Job
 from state.keepers import KeeperRecord, KeeperTurn

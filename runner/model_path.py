@@ -37,7 +37,9 @@ from proxy import (
     wire_verdict,
 )
 from runner.config import LOOPBACK_KEY, Settings
-from sandbox_manager.sandboxes import MODEL_PORT, SandboxManager, container_name, member_key
+from sandbox_manager.identity import container_name, member_key
+from sandbox_manager.sandboxes import SandboxManager
+from sandbox_manager.sealing import MODEL_PORT
 from state.contract import StoreContract
 from state.jobs import Job
 from state.receipts import Outcome, Receipt, WireDifference, WireInfo

@@ -6,7 +6,9 @@ from __future__ import annotations
 from drivers.base import Launch
 from drivers.models import MemberPaths
 from sandbox_manager.engine import FileEntry
-from sandbox_manager.sandboxes import MemberDirs, MemberProcess, Sandbox, SandboxManager
+from sandbox_manager.member_processes import MemberDirs, MemberProcess
+from sandbox_manager.sandbox import Sandbox
+from sandbox_manager.sandboxes import SandboxManager
 
 
 def member_paths(dirs: MemberDirs) -> MemberPaths:

@@ -42,7 +42,8 @@ from runner.hooks import TestHooks
 from runner.turn import TurnRunner
 from runner.turn_context import Detached
 from sandbox_manager.engine import DockerEngine, Engine
-from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job
 from state.keepers import KeeperRecord
 from state.receipts import Outcome, Receipt

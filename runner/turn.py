@@ -52,15 +52,13 @@ from runner.turn_context import (
     to_locator,
     to_saved,
 )
+from sandbox_manager.chat_containers import ImageRefused
+from sandbox_manager.disk_bound import SandboxRefused
+from sandbox_manager.identity import SandboxLost
 from sandbox_manager.keeper import KeeperError
-from sandbox_manager.sandboxes import (
-    ImageRefused,
-    ModelGateNotReady,
-    Sandbox,
-    SandboxLost,
-    SandboxManager,
-    SandboxRefused,
-)
+from sandbox_manager.sandbox import Sandbox
+from sandbox_manager.sandboxes import SandboxManager
+from sandbox_manager.sealing import ModelGateNotReady
 from state.jobs import Job
 from state.contract import VerifiedIn
 from state.keepers import KeeperTurn

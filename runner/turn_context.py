@@ -12,7 +12,7 @@ from typing import Any
 from drivers.models import Locator, Settlement
 from images.pins import cli_version_from_labels, load_pins
 from runner.residents import Resident, ResidentPool
-from sandbox_manager.sandboxes import Sandbox
+from sandbox_manager.sandbox import Sandbox
 from state.jobs import Job
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings, UpgradedFrom
 from state.records import MemberRecord, SandboxState, SavedLocator

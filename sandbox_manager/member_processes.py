@@ -8,16 +8,14 @@ started as a group leader with a pidfile, and retired by killing that group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
 from sandbox_manager.engine import AGENT_HOME, Engine, FileEntry, NotFound
 from sandbox_manager.exec_stream import ExecStream
 from sandbox_manager.identity import LABEL_HOST, member_key
-
-if TYPE_CHECKING:  # the manager that inherits these (it imports this module)
-    from sandbox_manager.sandboxes import Sandbox, SandboxConfig
+from sandbox_manager.sandbox import Sandbox
+from sandbox_manager.sandbox_config import SandboxConfig
 
 log = structlog.get_logger("sandbox")
 

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from sandbox_manager.chat_containers import ChatContainers
 from sandbox_manager.engine import AGENT_HOME, ContainerInfo, ImageInfo, NotFound
 from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
-from sandbox_manager.replacement import Replacement, clear_leftover, retire_old, start_replacement
+from sandbox_manager.replacement import BeforeReplace, Replacement, clear_leftover, retire_old, start_replacement
 from sandbox_manager.volumes import LABEL_VOLUME_ID, volume_name
 
 if TYPE_CHECKING:
-    from sandbox_manager.sandboxes import BeforeReplace, SandboxManager
     from state.records import SandboxRecord
 
 log = structlog.get_logger("sandbox")
@@ -35,7 +35,7 @@ log = structlog.get_logger("sandbox")
 ASIDE_SUFFIX = "-premigration"
 
 
-async def migrate(manager: SandboxManager, rec: SandboxRecord, current: ImageInfo,
+async def migrate(manager: ChatContainers, rec: SandboxRecord, current: ImageInfo,
                   before_replace: BeforeReplace) -> Replacement:
     try:
         old = await manager.engine.inspect(rec.container_id)
@@ -61,7 +61,7 @@ async def migrate(manager: SandboxManager, rec: SandboxRecord, current: ImageInf
     return done
 
 
-async def _fresh_volume(manager: SandboxManager, rec: SandboxRecord) -> tuple[str, str]:
+async def _fresh_volume(manager: ChatContainers, rec: SandboxRecord) -> tuple[str, str]:
     """The chat's volume, new. One of that name with the chat's identity labels can only be
     a partial copy of an interrupted move (the record names no volume yet): it goes."""
     name = volume_name(container_name(rec.user_id, rec.chat_id))
@@ -78,7 +78,7 @@ async def _fresh_volume(manager: SandboxManager, rec: SandboxRecord) -> tuple[st
     return await manager.new_volume(rec.user_id, rec.chat_id, rec.data_root_id)
 
 
-async def _remove_old(manager: SandboxManager, old: ContainerInfo) -> None:
+async def _remove_old(manager: ChatContainers, old: ContainerInfo) -> None:
     try:
         await manager.engine.remove(old.id)
     except NotFound:

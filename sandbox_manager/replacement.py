@@ -12,22 +12,23 @@ removed first (:func:`clear_leftover`).
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import anyio
 import structlog
 
+from sandbox_manager.chat_containers import ChatContainers
 from sandbox_manager.engine import ContainerInfo, ImageInfo, NotFound
 from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
 from sandbox_manager.volumes import check_marker, mounted_home
 from state.contract import now
 from state.records import SandboxRecord, SandboxState
 
-if TYPE_CHECKING:
-    from sandbox_manager.sandboxes import BeforeReplace, SandboxManager
-
 log = structlog.get_logger("sandbox")
+
+# Called with the old container's id before a replacement removes it: retire its residents.
+BeforeReplace = Callable[[str], Awaitable[object]]
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,14 @@ class Replacement:
     replaced_image_id: str  # the image of the container it replaced
 
 
-async def retire_old(manager: SandboxManager, info: ContainerInfo, before_replace: BeforeReplace) -> None:
+async def retire_old(manager: ChatContainers, info: ContainerInfo, before_replace: BeforeReplace) -> None:
     """Before the old container goes: the turns using it finish, then its residents retire."""
     with anyio.fail_after(manager.config.replace_wait_s):
         await manager.uses.wait_unused(info.id)
     await before_replace(info.id)
 
 
-async def clear_leftover(manager: SandboxManager, rec: SandboxRecord, volume: str | None) -> None:
+async def clear_leftover(manager: ChatContainers, rec: SandboxRecord, volume: str | None) -> None:
     """A container holding the chat's name that the record does not name: left by a
     replacement interrupted after its create. Ours (identity labels; the chat's volume or
     none) → removed; anything else is a stranger the store never recorded."""
@@ -66,7 +67,7 @@ async def clear_leftover(manager: SandboxManager, rec: SandboxRecord, volume: st
     log.info("sandbox.leftover_removed", container=name, id=other.id[:12])
 
 
-async def replace(manager: SandboxManager, rec: SandboxRecord, current: ImageInfo, old: ContainerInfo | None,
+async def replace(manager: ChatContainers, rec: SandboxRecord, current: ImageInfo, old: ContainerInfo | None,
                   why: Replaced, before_replace: BeforeReplace) -> Replacement:
     """A container from the configured image on the chat's volume, in place of ``old``
     (None: the recorded container is gone)."""
@@ -87,7 +88,7 @@ async def replace(manager: SandboxManager, rec: SandboxRecord, current: ImageInf
     return await start_replacement(manager, rec, info, current, why, old.image_id if old else rec.image_id)
 
 
-async def start_replacement(manager: SandboxManager, rec: SandboxRecord, info: ContainerInfo, current: ImageInfo,
+async def start_replacement(manager: ChatContainers, rec: SandboxRecord, info: ContainerInfo, current: ImageInfo,
                             why: Replaced, replaced_image_id: str) -> Replacement:
     """Record the new container (the store never names a container that does not exist), start it."""
     rec = rec.model_copy(update={"container_id": info.id, "container_name": info.name.lstrip("/"),

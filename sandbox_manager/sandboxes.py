@@ -29,124 +29,32 @@ from __future__ import annotations
 
 import shutil
 import time
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 import structlog
 
-from images.checks import check_image_labels
-from sandbox_manager.disk_bound import DISK_QUOTA, DiskBound, SandboxRefused
-from images.pins import Pins, load_pins
-from sandbox_manager.engine import ContainerInfo, ContainerSpec, Engine, ImageInfo, Mount, NotFound
+from sandbox_manager.chat_containers import ChatContainers, started_at
+from sandbox_manager.disk_bound import DISK_QUOTA
+from sandbox_manager.engine import Engine, ImageInfo, NotFound
+from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
 from sandbox_manager.integrity import Facts, IntegrityFacts
-from sandbox_manager.identity import (
-    LABEL_CHAT,
-    LABEL_DATA_ROOT,
-    LABEL_HOST,
-    LABEL_IDENTITY,
-    LABEL_PREFIX,
-    LABEL_SANDBOX,
-    LABEL_USER,
-    LostReason,
-    Replaced,
-    SandboxLost,
-    container_name,
-    digest,
-    member_key,  # noqa: F401 - re-exported
-)
-from sandbox_manager.member_processes import (  # noqa: F401 - re-exported: callers name them here
-    MEMBERS_DIR,
-    WORKSPACE,
-    MemberDirs,
-    MemberProcess,
-    MemberProcesses,
-)
+from sandbox_manager.member_processes import MemberProcesses
 from sandbox_manager.migration import ASIDE_SUFFIX, migrate
-from sandbox_manager.sealing import (  # noqa: F401 - re-exported: the sandbox's contract
-    MODEL_DIR,
-    MODEL_GATE_COMMAND,
-    MODEL_GATE_READY,
-    MODEL_PORT,
-    MODEL_SOCKET,
-    ModelGateNotReady,
-    unsealed,
-    wait_gate,
-)
-from sandbox_manager.uses import ContainerUses
-from sandbox_manager.replacement import Replacement, replace
-from sandbox_manager.volumes import (
-    LABEL_VOLUME_ID,
-    MARKER_PATH,
-    check_marker,
-    check_mount,
-    check_volume,
-    marker_bytes,
-    volume_labels,
-    volume_name,
-)
+from sandbox_manager.replacement import BeforeReplace, Replacement, replace
+from sandbox_manager.sandbox import Sandbox
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.volumes import check_marker, check_mount, check_volume, volume_name
 from state.records import SandboxRecord, SandboxState
 from state.store import Store, now
 from telemetry.turn_trace import mark
 
 log = structlog.get_logger("sandbox")
 
-AGENT_HOME = "/home/agent"
-
-class ImageRefused(Exception):
-    """The configured image does not carry the pinned versions: no sandbox is created from it."""
-
-
-@dataclass(frozen=True)
-class SandboxConfig:
-    image: str
-    socket_root: str | None = None  # host dir of the per-sandbox model socket dirs (HOME/sockets)
-    host_id: str = "local"
-    memory_bytes: int = 4 * 1024**3
-    pids_limit: int = 1024
-    nano_cpus: int = 2_000_000_000
-    require_helper: bool = True
-    gate_ready_timeout_s: float = 20.0
-    disk_bytes: int | None = None  # per-sandbox disk bound (quota where supported, else measured)
-    pins: Pins | None = None  # what the configured image must carry (None: images/pins.toml)
-    replace_wait_s: float = 900.0  # a replacement waits this long for turns on the old container
-
-    @property
-    def pinned(self) -> Pins:
-        return self.pins or load_pins()
-
-
-# Called with the old container's id before a replacement removes it: retire its residents.
-BeforeReplace = Callable[[str], Awaitable[object]]
-
 
 async def _nothing_resident(container_id: str) -> None:
     return None
-
-
-@dataclass(frozen=True)
-class Sandbox:
-    record: SandboxRecord
-    container: ContainerInfo
-    image: ImageInfo
-    created: bool = False  # this call created it
-    started: bool = False  # this call started it (it was stopped)
-    replaced: Replaced | None = None  # this call replaced the container (on the same volume)
-    replaced_image_id: str | None = None  # the image of the container it replaced
-
-    @property
-    def container_id(self) -> str:
-        return self.container.id
-
-    @property
-    def helper_version(self) -> str | None:
-        return self.image.labels.get("http-agent-live-bridge")
-
-    @property
-    def volume(self) -> str | None:
-        return self.record.volume_name
 
 
 @dataclass(frozen=True)
@@ -158,20 +66,14 @@ class Removal:
 SandboxWatcher = Callable[[str, str, SandboxState], None]
 
 
-class SandboxManager(MemberProcesses):
-    """The chat's sandboxes; the member processes inside them are :class:`MemberProcesses`'."""
+class SandboxManager(ChatContainers, MemberProcesses):
+    """The chat's sandboxes: made and checked as :class:`ChatContainers`, the member processes
+    inside them are :class:`MemberProcesses`'."""
 
     def __init__(self, engine: Engine, store: Store, config: SandboxConfig) -> None:
-        self.engine = engine
-        self.store = store
-        self.config = config
-        self.uses = ContainerUses()
+        super().__init__(engine, store, config)
         self._chat_locks: dict[tuple[str, str], anyio.Lock] = {}
-        # container id -> the StartedAt whose marker this daemon has read (SPEC 15: the mounts
-        # of a running container cannot change, so one read per start is enough)
-        self._marker_seen: dict[str, str] = {}
         self._watchers: list[SandboxWatcher] = []
-        self.disk = DiskBound(engine, store, config.disk_bytes)
         # kept fresh by the engine's events while the supervisor runs IntegrityFacts.follow
         self.integrity = IntegrityFacts(engine)
 
@@ -182,49 +84,6 @@ class SandboxManager(MemberProcesses):
     def _changed(self, user_id: str, chat_id: str, state: SandboxState) -> None:
         for watcher in self._watchers:
             watcher(user_id, chat_id, state)
-
-
-    async def data_root_id(self) -> str:
-        """The engine data root's identity, created on first use. Never cached: the data root
-        can be swapped under a running daemon, and new sandboxes must carry the current one."""
-        ident = await self.engine.data_root_identity(create=True)
-        if not ident:
-            raise RuntimeError("the engine data root has no identity and none could be created")
-        return ident
-
-    async def current_data_root_id(self) -> str | None:
-        """Re-read from the engine: the data root may have been swapped. (Only a resident's
-        facts carry it between turns, and any event of the marker volume or a stream gap drops them.)"""
-        return await self.engine.data_root_identity(create=False)
-
-    def identity_labels(self, user_id: str, chat_id: str, data_root_id: str) -> dict[str, str]:
-        return {
-            LABEL_SANDBOX: "1",
-            LABEL_IDENTITY: digest("sandbox", user_id, chat_id),
-            LABEL_USER: digest("user", user_id)[:32],
-            LABEL_CHAT: digest("chat", chat_id)[:32],
-            LABEL_HOST: self.config.host_id,
-            LABEL_DATA_ROOT: data_root_id,
-        }
-
-    def socket_dir(self, user_id: str, chat_id: str) -> Path:
-        """The host directory holding this sandbox's model socket (mounted at MODEL_DIR)."""
-        if self.config.socket_root is None:
-            raise ValueError("socket_root: the sandbox manager has no model socket directory configured")
-        return Path(self.config.socket_root) / container_name(user_id, chat_id)
-
-    async def gate_ready(self, info: ContainerInfo, since: float) -> None:
-        await wait_gate(self.engine, info, since=since, timeout_s=self.config.gate_ready_timeout_s)
-
-    async def checked_image(self, ref: str) -> ImageInfo:
-        try:
-            img = await self.engine.image(ref)
-        except NotFound:
-            raise ImageRefused(f"image {ref} is not present in the engine") from None
-        problems = check_image_labels(img.labels, pins=self.config.pins, require_helper=self.config.require_helper)
-        if problems:
-            raise ImageRefused(f"image {ref} ({img.id[:19]}) refused: " + "; ".join(problems))
-        return img
 
     # -- resolve ------------------------------------------------------------------------------
 
@@ -338,46 +197,7 @@ class SandboxManager(MemberProcesses):
                               f"created in data root {rec.data_root_id[:12]}, engine now has "
                               f"{(current_root or 'none')[:12]}")
 
-    def check_identity(self, rec: SandboxRecord, info: ContainerInfo) -> None:
-        """The container is the recorded one: same id, the chat's identity labels."""
-        if info.id != rec.container_id:
-            raise SandboxLost(LostReason.CONTAINER_REPLACED, f"{info.id[:12]} is not {rec.container_id[:12]}")
-        want = self.identity_labels(rec.user_id, rec.chat_id, rec.data_root_id)
-        bad = sorted(k for k, v in want.items() if info.labels.get(k) != v)
-        if bad:
-            raise SandboxLost(LostReason.LABELS_MISMATCH, "labels differ: " + ", ".join(bad))
-
-    def saw_marker(self, info: ContainerInfo) -> None:
-        self._marker_seen[info.id] = started_at(info)
-
-    # -- create and replace ----------------------------------------------------------------------
-
-    def spec(self, user_id: str, chat_id: str, data_root_id: str, image: ImageInfo, volume: str | None) -> ContainerSpec:
-        """The chat's container (``volume`` None: the pre-volume shape, kept for the tests of
-        the migration; the product always passes the chat's volume)."""
-        return ContainerSpec(image=image.id, name=container_name(user_id, chat_id),
-                             labels=self.identity_labels(user_id, chat_id, data_root_id),
-                             mounts=(Mount(str(self.socket_dir(user_id, chat_id)), MODEL_DIR, read_only=True),),
-                             command=MODEL_GATE_COMMAND, memory_bytes=self.config.memory_bytes,
-                             pids_limit=self.config.pids_limit, nano_cpus=self.config.nano_cpus, home_volume=volume)
-
-    async def new_volume(self, user_id: str, chat_id: str, data_root_id: str) -> tuple[str, str]:
-        """Create the chat's volume with a fresh id; (name, id). A volume of that name that
-        exists already is never adopted: SANDBOX_UNRECORDED (the caller may clear leftovers first)."""
-        name = volume_name(container_name(user_id, chat_id))
-        volume_id = uuid.uuid4().hex
-        labels = volume_labels(self.identity_labels(user_id, chat_id, data_root_id), volume_id)
-        got = await self.engine.create_volume(name, labels)
-        if got.labels.get(LABEL_VOLUME_ID) != volume_id:  # the engine returned an existing one
-            raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"volume {name} exists without a record")
-        return name, volume_id
-
-    async def write_marker(self, container_id: str, user_id: str, chat_id: str, volume_id: str) -> None:
-        await self.engine.put_root_file(container_id, MARKER_PATH,
-                                        marker_bytes(digest("sandbox", user_id, chat_id), volume_id))
-
-    def unsealed(self, rec: SandboxRecord, info: ContainerInfo) -> str | None:
-        return unsealed(info, str(self.socket_dir(rec.user_id, rec.chat_id)))
+    # -- create and remove -----------------------------------------------------------------------
 
     async def _create(self, user_id: str, chat_id: str) -> Sandbox:
         image = await self.checked_image(self.config.image)
@@ -492,6 +312,3 @@ class SandboxManager(MemberProcesses):
         log.info("sandbox.removed", container=container_name(user_id, chat_id), removed=container, volume=volume)
         return Removal(container=container, volume=volume)
 
-
-def started_at(info: ContainerInfo) -> str:
-    return str((info.attrs.get("State") or {}).get("StartedAt") or "")

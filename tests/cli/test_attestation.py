@@ -15,7 +15,8 @@ import pytest
 from deploy.loopback import LoopbackFixture
 from images.pins import load_pins
 from runner.probe import PROBE_LABEL
-from sandbox_manager.sandboxes import ImageRefused, container_name
+from sandbox_manager.chat_containers import ImageRefused
+from sandbox_manager.identity import container_name
 from tests.cli.attestation_helpers import REPO, git_dirty, git_head, probe_containers, relabelled_image, wait_ready
 from tests.daemon_harness import TOKEN, daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat

@@ -12,7 +12,7 @@ import docker
 import pytest
 
 from deploy.loopback import LoopbackFixture, stall
-from sandbox_manager.sandboxes import LABEL_IDENTITY, container_name
+from sandbox_manager.identity import LABEL_IDENTITY, container_name
 from tests.daemon_harness import daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
 from tests.support.store import rows

@@ -30,7 +30,8 @@ from images.pins import load_pins
 from runner.processes import member_paths, start_in_sandbox
 from runner.transport import exec_transport
 from sandbox_manager.engine import DockerEngine
-from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from state.store import Store
 from tests.support.sealed import sealed_proxy
 

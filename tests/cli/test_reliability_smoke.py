@@ -15,7 +15,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture, stall
 from deploy.smoke import MESSAGES, STEPS, run_smoke
-from sandbox_manager.sandboxes import LABEL_HOST
+from sandbox_manager.identity import LABEL_HOST
 from tests.cli.attestation_helpers import REPO, git_head, wait_ready
 from tests.daemon_harness import TOKEN, daemon_settings, running_daemon
 from tests.support.store import rows as table_rows

@@ -9,7 +9,8 @@ import pytest
 
 from deploy.loopback import LoopbackFixture
 from sandbox_manager.engine import DockerEngine
-from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from state.store import Store
 from tests.cli.attestation_helpers import wait_ready
 from tests.daemon_harness import daemon_settings, running_daemon

@@ -19,7 +19,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture
 from deploy.loopback.recorder import fingerprint
-from sandbox_manager.sandboxes import member_key
+from sandbox_manager.identity import member_key
 from tests.cli.attestation_helpers import spawn_daemon
 from tests.supervisor_helpers import Chat, available_runtimes
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from deploy.loopback import LoopbackFixture, stall
-from sandbox_manager.sandboxes import LABEL_IDENTITY
+from sandbox_manager.identity import LABEL_IDENTITY
 from state.store import Store
 from tests.daemon_harness import TOKEN, daemon_process, daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, high_water

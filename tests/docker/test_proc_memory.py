@@ -11,7 +11,8 @@ from images.identity import carries_bridge
 from images.pins import load_pins
 from sandbox_manager.engine import DockerEngine
 from sandbox_manager.proc_memory import ProcMemory
-from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from state.store import Store
 from tests.support.sandbox import processes
 

@@ -13,17 +13,10 @@ import pytest
 from images.identity import carries_bridge
 from images.pins import load_pins
 from sandbox_manager.engine import ContainerInfo, DockerEngine, FileEntry
-from sandbox_manager.sandboxes import (
-    LABEL_IDENTITY,
-    LostReason,
-    Replaced,
-    Sandbox,
-    SandboxConfig,
-    SandboxLost,
-    SandboxManager,
-    container_name,
-    digest,
-)
+from sandbox_manager.identity import LABEL_IDENTITY, LostReason, Replaced, SandboxLost, container_name, digest
+from sandbox_manager.sandbox import Sandbox
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from sandbox_manager.volumes import LABEL_VOLUME_ID, MARKER_PATH, marker_bytes, volume_name
 from state.records import SandboxState
 from state.store import Store

@@ -37,7 +37,7 @@ from deploy.loopback import LoopbackFixture
 from drivers.transport import Transport
 from runner.config import Settings
 from runner.turn import TestHooks
-from sandbox_manager.sandboxes import LABEL_HOST
+from sandbox_manager.identity import LABEL_HOST
 from tests.daemon_harness import RunningDaemon, daemon_settings, running_daemon
 from tests.regression.supervisor_text import WireRecorder
 

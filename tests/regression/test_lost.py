@@ -44,7 +44,7 @@ import docker.errors
 import pytest
 
 from sandbox_manager.engine import DATA_ROOT_LABEL, DATA_ROOT_VOLUME
-from sandbox_manager.sandboxes import LABEL_CHAT, LABEL_IDENTITY, digest
+from sandbox_manager.identity import LABEL_CHAT, LABEL_IDENTITY, digest
 from state.records import MemberRecord
 from tests.regression.conftest import regression_daemon
 from tests.regression.native_state import agent_sh, native_state_paths

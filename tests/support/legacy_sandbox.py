@@ -17,7 +17,8 @@ through it:
 from __future__ import annotations
 
 from sandbox_manager.engine import AGENT_HOME, FileEntry, NotFound
-from sandbox_manager.sandboxes import SandboxManager, container_name
+from sandbox_manager.identity import container_name
+from sandbox_manager.sandboxes import SandboxManager
 from sandbox_manager.volumes import volume_name
 from state.contract import now
 from state.records import SandboxRecord, SandboxState

@@ -28,7 +28,7 @@ from pydantic import SecretStr
 from deploy.loopback import LoopbackFixture
 from drivers.models import GatewayConfig
 from proxy import ProxyConfig, ProxyHost, member_base_url, placeholder_key
-from sandbox_manager.sandboxes import MODEL_DIR, MODEL_GATE_COMMAND, MODEL_PORT
+from sandbox_manager.sealing import MODEL_DIR, MODEL_GATE_COMMAND, MODEL_PORT
 
 MODELGATE_COMMAND = list(MODEL_GATE_COMMAND)
 CHAT_KEY = "test-sandbox"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import httpx
 
-from sandbox_manager.sandboxes import container_name
+from sandbox_manager.identity import container_name
 from sandbox_manager.volumes import volume_name
 
 

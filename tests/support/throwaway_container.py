@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import anyio
 
 from sandbox_manager.engine import ContainerSpec, DockerEngine
-from sandbox_manager.sandboxes import LABEL_HOST, LABEL_SANDBOX
+from sandbox_manager.identity import LABEL_HOST, LABEL_SANDBOX
 from tests.daemon_harness import TEST_HOST_IDS
 
 HOST_ID = f"engine-test-{uuid.uuid4().hex[:8]}"

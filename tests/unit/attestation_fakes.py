@@ -15,7 +15,8 @@ from images.pins import load_pins
 from runner.attestation import Attestor, SourceIdentity
 from runner.supervisor import Heartbeat
 from sandbox_manager.engine import ContainerInfo, ContainerSpec, EngineError, ImageInfo, NotFound
-from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from state.store import Store
 
 IMAGE = "cloud-agent-sandbox:fake"

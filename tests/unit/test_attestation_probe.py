@@ -9,7 +9,7 @@ import pytest
 
 from runner.probe import PROBE_LABEL
 from sandbox_manager.engine import EngineError
-from sandbox_manager.sandboxes import LABEL_HOST, LABEL_SANDBOX
+from sandbox_manager.identity import LABEL_HOST, LABEL_SANDBOX
 from tests.unit.attestation_fakes import FakeEngine, make_attestor, pinned_labels
 
 pytestmark = pytest.mark.anyio

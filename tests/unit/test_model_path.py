@@ -13,7 +13,7 @@ import pytest
 from proxy import DigestEntry, ProxyConfig, WireRecord
 from runner.config import load_settings
 from runner.model_path import LedgerSink, ModelPath, _Chat
-from sandbox_manager.sandboxes import container_name, member_key
+from sandbox_manager.identity import container_name, member_key
 from state.receipts import Outcome, Receipt
 from state.records import SavedLocator
 from state.store import MemberOutcome, Store, VerifiedTurn

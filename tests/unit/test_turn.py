@@ -37,7 +37,8 @@ from runner.model_path import ModelPath
 from runner.residents import ResidentPool
 from runner.turn import TestHooks as Hooks  # not collected as a test class
 from runner.turn import TurnRunner
-from sandbox_manager.sandboxes import SandboxConfig, SandboxManager
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from state.jobs import Job
 from state.receipts import Receipt
 from state.records import MemberRecord

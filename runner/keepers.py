@@ -19,7 +19,8 @@ from drivers.base import Launch
 from drivers.session import NativeSession, TurnStart
 from sandbox_manager import keeper_sandbox
 from sandbox_manager.engine import FileEntry
-from sandbox_manager.keeper import KeeperChannel, KeeperIdentity
+from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_identity import KeeperIdentity
 from sandbox_manager.keeper_sandbox import KeeperPaths
 from sandbox_manager.member_processes import MemberDirs
 from sandbox_manager.sandbox import Sandbox

@@ -19,7 +19,7 @@ from drivers.models import Locator
 from runner.processes import member_paths
 from runner.residents import Resident
 from runner.transport import exec_transport
-from sandbox_manager.keeper import KeeperError, KeeperIdentityMismatch
+from sandbox_manager.keeper_errors import KeeperError, KeeperIdentityMismatch
 from state.jobs import Job
 from state.keepers import KeeperRecord
 from state.receipts import Outcome, Receipt, SandboxInfo, Timings

@@ -55,7 +55,7 @@ from runner.turn_context import (
 from sandbox_manager.chat_containers import ImageRefused
 from sandbox_manager.disk_bound import SandboxRefused
 from sandbox_manager.identity import SandboxLost
-from sandbox_manager.keeper import KeeperError
+from sandbox_manager.keeper_errors import KeeperError
 from sandbox_manager.sandbox import Sandbox
 from sandbox_manager.sandboxes import SandboxManager
 from sandbox_manager.sealing import ModelGateNotReady

@@ -10,8 +10,8 @@ the runner has committed (:meth:`KeeperChannel.ack`; the keeper keeps everything
 offset), and who it talks to (:attr:`KeeperChannel.hello`): a channel opened with an expected
 :class:`KeeperIdentity` refuses any other keeper before reading a byte of its output.
 
-Errors are one family under :class:`KeeperError`, itself an ``ExecStreamClosed``: whatever
-treats a dead exec stream as a dead transport treats a lost keeper link the same way.
+Errors are one family under :class:`KeeperError` (``sandbox_manager.keeper_errors``); what
+the keeper says about itself is ``sandbox_manager.keeper_identity``.
 """
 
 from __future__ import annotations
@@ -20,131 +20,23 @@ from collections import deque
 from typing import Protocol
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from sandbox_manager import keeper_wire as wire
-from sandbox_manager.exec_stream import ExecLineTooLong, ExecStream, ExecStreamClosed
+from sandbox_manager.exec_stream import ExecStream, ExecStreamClosed
+from sandbox_manager.keeper_errors import (
+    KeeperBroken,
+    KeeperDetached,
+    KeeperError,
+    KeeperLineTooLong,
+    KeeperProtocolError,
+    KeeperRefused,
+    KeeperUnavailable,
+)
+from sandbox_manager.keeper_identity import KeeperExit, KeeperHello, KeeperIdentity
 
 MAX_LINE_BYTES = 32 * 1024 * 1024
 STDERR_KEEP = 16 * 1024
-
-
-# -- errors ---------------------------------------------------------------------------------
-
-
-class KeeperError(ExecStreamClosed):
-    """The keeper link failed; ``reason`` is a stable word, the message says what happened."""
-
-    reason = "keeper_error"
-
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
-        super().__init__(message)
-        if reason:
-            self.reason = reason
-
-
-class KeeperUnavailable(KeeperError):
-    """No keeper answers (never started, killed, or it could not start)."""
-
-    reason = "no_keeper"
-
-
-class KeeperRefused(KeeperError):
-    """The keeper answered and refused the attach (e.g. ``offset_released``, ``offset_ahead``)."""
-
-    reason = "refused"
-
-
-class KeeperBroken(KeeperError):
-    """More output than the bound went unacknowledged: nothing is replayable; retire the member."""
-
-    reason = "broken"
-
-
-class KeeperIdentityMismatch(KeeperError):
-    """The keeper is not the one the store recorded: never trust it (retire, next turn RESTORED)."""
-
-    reason = "identity_mismatch"
-
-    def __init__(self, field: str, expected: object, observed: object) -> None:
-        super().__init__(f"keeper identity mismatch on {field}: expected {expected!r}, observed {observed!r}")
-        self.field, self.expected, self.observed = field, expected, observed
-
-
-class KeeperDetached(KeeperError):
-    """The attach stream ended (or a newer attach took over) before the CLI's output did.
-
-    The keeper and the CLI may well live on: re-attach from the acknowledged offset.
-    """
-
-    reason = "detached"
-
-
-class KeeperProtocolError(KeeperError):
-    reason = "protocol"
-
-
-class KeeperLineTooLong(KeeperError, ExecLineTooLong):
-    """A CLI output line exceeded :attr:`KeeperChannel.max_line` (as the exec stream's)."""
-
-    reason = "line_too_long"
-
-
-# -- what the keeper says about itself --------------------------------------------------------------
-
-
-class KeeperExit(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    code: int | None = Field(description="exit code, when the CLI exited normally")
-    signal: int | None = Field(description="the signal that ended it, otherwise")
-
-
-class KeeperHello(BaseModel):
-    """The keeper's hello on every attach (and status query)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    protocol: int
-    keeper_id: str = Field(description="random, made when the keeper started")
-    keeper_pid: int
-    pid: int = Field(description="the CLI's pid (= its process group) inside the sandbox")
-    start_time: int = Field(description="the CLI's start time, field 22 of /proc/<pid>/stat (clock ticks)")
-    member: str
-    tags: dict[str, str] = Field(description="opaque tags given at start (member, locator, ...)")
-    acked: int = Field(description="output offset acknowledged so far")
-    written: int = Field(description="output bytes the CLI has written so far")
-    eof_at: int | None = Field(description="offset where the CLI's stdout ended, if it did")
-    exit: KeeperExit | None
-    broken: bool
-    broken_reason: str | None
-    buffer_bytes: int
-    input_received: int = Field(description="bytes of CLI input the keeper has received (whole frames)")
-    input_written: int = Field(description="bytes of it written to the CLI's stdin")
-    accepted: bool = Field(description="this connection is now the attached client")
-    refused: str | None
-
-
-class KeeperIdentity(BaseModel):
-    """What the store records of a keeper, and what a re-attach must find again."""
-
-    model_config = ConfigDict(frozen=True)
-
-    keeper_id: str
-    pid: int
-    start_time: int
-    member: str
-    tags: dict[str, str] = Field(default_factory=dict)
-
-    @classmethod
-    def of(cls, hello: KeeperHello) -> KeeperIdentity:
-        return cls(keeper_id=hello.keeper_id, pid=hello.pid, start_time=hello.start_time, member=hello.member,
-                   tags=dict(hello.tags))
-
-    def verify(self, hello: KeeperHello) -> None:
-        for field in ("keeper_id", "pid", "start_time", "member", "tags"):
-            if getattr(self, field) != getattr(hello, field):
-                raise KeeperIdentityMismatch(field, getattr(self, field), getattr(hello, field))
 
 
 # -- byte streams ---------------------------------------------------------------------------------

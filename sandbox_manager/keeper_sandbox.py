@@ -14,14 +14,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ValidationError
 
 from sandbox_manager.engine import Engine, NotFound
-from sandbox_manager.keeper import (
-    ExecBytes,
-    KeeperChannel,
-    KeeperHello,
-    KeeperIdentity,
-    KeeperProtocolError,
-    KeeperUnavailable,
-)
+from sandbox_manager.keeper import ExecBytes, KeeperChannel
+from sandbox_manager.keeper_errors import KeeperProtocolError, KeeperUnavailable
+from sandbox_manager.keeper_identity import KeeperHello, KeeperIdentity
 
 IN_SANDBOX_KEEPER = "ca-keeper"
 

@@ -46,7 +46,7 @@ class KeeperRecord(BaseModel):
     runtime: str
     container_id: str
     run_dir: str  # the member's run dir in the sandbox (socket, pidfiles, log)
-    identity: dict[str, Any]  # sandbox_manager.keeper.KeeperIdentity, as the keeper said it
+    identity: dict[str, Any]  # sandbox_manager.keeper_identity.KeeperIdentity, as the keeper said it
     session: dict[str, Any]  # the driver session's snapshot (drivers.session.NativeSession.snapshot)
     acked: int = Field(ge=0)  # output acknowledged to the keeper (everything before is committed)
     turn: KeeperTurn | None = None

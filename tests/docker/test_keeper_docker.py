@@ -13,11 +13,8 @@ import pytest
 
 from sandbox_manager import keeper_sandbox
 from sandbox_manager.engine import DockerEngine, FileEntry
-from sandbox_manager.keeper import (
-    KeeperChannel,
-    KeeperIdentityMismatch,
-    KeeperUnavailable,
-)
+from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_errors import KeeperIdentityMismatch, KeeperUnavailable
 from sandbox_manager.keeper_sandbox import KeeperPaths, run_prefix
 from tests.support.keeper_local import FAKE_CLI, ROOT
 from tests.support.throwaway_container import throwaway_container

@@ -10,7 +10,8 @@ import anyio
 from anyio.abc import Process
 
 from sandbox_manager.exec_stream import ExecStreamClosed
-from sandbox_manager.keeper import KeeperChannel, KeeperIdentity
+from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_identity import KeeperIdentity
 from sandbox_manager.keeper_sandbox import KeeperPaths, attach_argv, run_prefix
 
 ROOT = Path(__file__).resolve().parents[2]

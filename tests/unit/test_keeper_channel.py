@@ -11,18 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox_manager import keeper_wire as wire
-from sandbox_manager.keeper import (
+from sandbox_manager.exec_stream import ExecStreamClosed
+from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_errors import (
     KeeperBroken,
-    KeeperChannel,
     KeeperDetached,
     KeeperError,
-    KeeperIdentity,
     KeeperIdentityMismatch,
     KeeperProtocolError,
     KeeperRefused,
     KeeperUnavailable,
 )
-from sandbox_manager.exec_stream import ExecStreamClosed
+from sandbox_manager.keeper_identity import KeeperIdentity
 
 pytestmark = pytest.mark.anyio
 

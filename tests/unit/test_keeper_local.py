@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sandbox_manager.keeper import (
+from sandbox_manager.keeper_errors import (
     KeeperBroken,
     KeeperDetached,
     KeeperIdentityMismatch,

@@ -4,13 +4,15 @@ background work, and runs jobs behind the job fence.
 Structured concurrency: every job and every maintenance loop runs in the supervisor's
 task group, which the daemon's lifespan (or a library caller) owns. A client that stops
 listening does not cancel its job; the receipt stays fetchable by job id.
+
+The job path (fence, admission, claim, the turn, its receipt) is here; what runs before it
+after a restart is ``runner.recovery``, the maintenance loops are ``runner.housekeeping``.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -18,7 +20,7 @@ from typing import Any, Literal
 
 import anyio
 import structlog
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
 from drivers.models import DriverOptions
 from images.identity import carries_bridge, image_tag
@@ -27,16 +29,19 @@ from runner.admission import Grant, HostBusy
 from runner.capacity import HostCapacity
 from runner.capacity_metrics import CapacityMetrics
 from runner.chat_deletion import ChatDeletions, delete_chat
+from runner.chat_status import chat_status
 from runner.config import Settings
 from runner.forks import Forker
+from runner.housekeeping import Heartbeat, Housekeeping
 from runner.job_stream import JobStream
 from runner.member_locks import MemberLocks
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
 from runner.keepers import Keepers
-from runner.readopt import Pending, abandon, readopt
+from runner.not_settled import close_unsettled
+from runner.recovery import Recovery
 from runner.resident_memory import ResidentMemory
-from runner.residents import Resident, ResidentPool
+from runner.residents import ResidentPool
 from runner.sweeps import Sweeps
 from runner.hooks import TestHooks
 from runner.turn import TurnRunner
@@ -45,8 +50,7 @@ from sandbox_manager.engine import DockerEngine, Engine
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sandboxes import SandboxManager
 from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job
-from state.keepers import KeeperRecord
-from state.receipts import Outcome, Receipt
+from state.receipts import Receipt
 from state.records import SandboxState
 from state.backends import open_store
 from state.contract import Fenced, StoreContract, StoreUnavailable
@@ -62,13 +66,6 @@ class Submission:
     receipt: Receipt | None = None
     events: JobStream | None = None
     busy: HostBusy | None = None
-
-
-@dataclass
-class Heartbeat:
-    interval_s: float
-    last_beat: datetime | None = None
-    beats: int = 0
 
 
 @dataclass
@@ -118,103 +115,20 @@ class Supervisor:
                                  driver_options=driver_options(settings, manager.config.pins),
                                  launch_gate=self.memory.launching, keepers=self.keepers)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
+        self.housekeeping = Housekeeping(settings, store=store, manager=manager, pool=self.pool, locks=self.locks,
+                                         capacity=self.capacity, sweeps=self.sweeps, heartbeat=self.heartbeat)
+        self.recovery = Recovery(store=store, manager=manager, runner=self.runner, pool=self.pool, locks=self.locks,
+                                 metrics=self.metrics, owner=self.owner)
         self._jobs: dict[tuple[str, str], _Job] = {}
         self.deletions = ChatDeletions()
         self._tg: TaskGroup | None = None
         self.started_at = datetime.now(UTC)
 
-    # -- lifecycle ----------------------------------------------------------------------------
-
-    async def recover(self) -> list[Pending]:
-        """After a restart (SPEC 14): re-adopt the keepers whose identity matches (their
-        residents serve the next turn LIVE); the turns in flight on them are returned, to be
-        finished. Other jobs a dead daemon left running never ran to commit: close them as
-        not_settled (never re-run: the CLI may already have sent the message). Kill the CLI
-        processes left in retained sandboxes that no re-adopted keeper owns."""
-        # only this host's jobs: in a fleet the store holds every host's (SPEC 16)
-        running = await self.store.running_jobs(not_owner=self.owner, host_id=self.manager.config.host_id)
-        keep: dict[str, set[str]] = {}
-        pending: list[Pending] = []
-        records: dict[tuple[str, str, str], KeeperRecord] = {}
-        try:
-            adoption, records = await readopt(self.runner, {r.job_id for r in running})
-            keep, pending = adoption.keep_dirs(records), adoption.pending
-        except Exception as exc:  # noqa: BLE001 - the engine may be down: nothing adopted, all reaped
-            log.warning("readopt.failed", error=repr(exc))
-        finishing = {p.job.job_id for p in pending}
-        await abandon(self.store, [rec for rec in running if rec.job_id not in finishing], records)
-        try:
-            n = await self.manager.reap_orphans(keep=keep)
-        except Exception as exc:  # noqa: BLE001 - the engine may be down; readiness says so
-            log.warning("reap_orphans.failed", error=repr(exc))
-            n = 0
-        if n:
-            log.info("orphans.reaped", groups=n)
-        return pending
-
-    async def _finish(self, p: Pending, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-                      ) -> None:
-        """Finish a turn in flight at the last restart, under the member's lock."""
-        assert p.record.turn is not None
-        async with self.locks.hold(p.key):
-            task_status.started()
-            try:
-                receipt = await self.runner.finish(p.job, p.record.turn)
-                self.metrics.observe(receipt)
-                log.info("job.finished_after_restart", job_id=p.job.job_id, outcome=receipt.outcome)
-            except Detached:
-                pass  # shutting down again: the next daemon finishes it
-            except Exception as exc:  # noqa: BLE001 - a bug must not take the daemon down
-                log.exception("job.finish_crashed", job_id=p.job.job_id, error=repr(exc))
-                try:
-                    await self.pool.retire(p.key, "finish crashed")
-                    await self._close_unsettled(p.job, "daemon_restarted")
-                except Exception:  # noqa: BLE001
-                    pass
-
-    async def _beat_loop(self) -> None:
-        while True:
-            self.heartbeat.last_beat = datetime.now(UTC)
-            self.heartbeat.beats += 1
-            await anyio.sleep(self.heartbeat.interval_s)
-
-    async def _idle_loop(self) -> None:
-        """Retire idle resident processes; stop idle sandboxes (writable layer kept)."""
-        period = max(1.0, min(self.settings.resident_idle_s, self.settings.idle_stop_s) / 4)
-        while True:
-            await anyio.sleep(period)
-            now = time.monotonic()
-            # A resident whose process died on its own is pruned here, not kept forever.
-            await self._retire_unused(lambda r: not r.alive, "exited")
-            await self._retire_unused(lambda r: now - r.last_used > self.settings.resident_idle_s, "idle")
-            for rec in await self.store.list_sandboxes(SandboxState.RUNNING):
-                if rec.host_id != self.manager.config.host_id:
-                    continue  # a fleet's store holds every host's sandboxes
-                idle = (datetime.now(UTC) - rec.last_used_at).total_seconds()
-                chat = (rec.user_id, rec.chat_id)
-                if idle > self.settings.idle_stop_s and not self.capacity.chat_busy(chat):
-                    await self.capacity.stop(chat, "idle")
-
-    async def _retire_unused(self, pred: Callable[[Resident], bool], why: str) -> None:
-        """Retire residents matching ``pred`` whose member lock is free, holding it meanwhile:
-        a job for that member then waits for the retirement instead of racing it."""
-        for r in self.pool.residents():
-            if pred(r) and (held := self.locks.try_hold(r.key)) is not None:
-                async with held:
-                    await self.pool.retire(r.key, why)
-
     def in_turn(self, key: tuple[str, str, str]) -> bool:
         """A turn of this member holds its lock now (the inspector's host view)."""
         return self.locks.held(key)
 
-    async def _sweep_loop(self) -> None:
-        while True:
-            await anyio.sleep(self.settings.sweep_interval_s)
-            for sweep in (self.sweeps.disk, self.sweeps.retention):
-                try:
-                    await sweep()
-                except Exception as exc:  # noqa: BLE001 - the engine may be down; the next sweep retries
-                    log.warning("sweep.failed", sweep=sweep.__name__, error=repr(exc))
+    # -- lifecycle ----------------------------------------------------------------------------
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Supervisor"]:
@@ -222,14 +136,14 @@ class Supervisor:
         await self.capacity.load(self.store)
         async with anyio.create_task_group() as tg, self.model_path.running():
             # inside the model path: a turn being finished needs its socket back
-            for p in await self.recover():
-                await tg.start(self._finish, p)  # holds the member's lock before any job is admitted
+            for p in await self.recovery.recover():
+                await tg.start(self.recovery.finish, p)  # holds the member's lock before any job is admitted
             self._tg = tg
-            tg.start_soon(self._beat_loop)
-            tg.start_soon(self._idle_loop)
+            tg.start_soon(self.housekeeping.beat_loop)
+            tg.start_soon(self.housekeeping.idle_loop)
             tg.start_soon(self.model_path.purge_loop)
             tg.start_soon(self.memory.loop)
-            tg.start_soon(self._sweep_loop)
+            tg.start_soon(self.housekeeping.sweep_loop)
             tg.start_soon(self.manager.integrity.follow)  # keeps resident turns' integrity facts fresh
             try:
                 yield self
@@ -320,7 +234,7 @@ class Supervisor:
             await self.pool.retire_where(lambda r: r.key == (job.user_id, job.chat_id, job.member_id),
                                          "store unavailable")
             try:
-                entry.receipt = await self._close_unsettled(job, "store_unavailable")
+                entry.receipt = await close_unsettled(self.store, job, "store_unavailable")
                 last = {"type": "receipt", "receipt": entry.receipt.model_dump(mode="json")}
             except (StoreUnavailable, RuntimeError, KeyError):
                 last = {"type": "error", "error": "store_unavailable", "detail": str(exc)}
@@ -335,24 +249,13 @@ class Supervisor:
             mark("receipt_framed")
             self._jobs.pop((job.user_id, job.job_id), None)
 
-    async def _close_unsettled(self, job: Job, reason: str) -> Receipt:
-        member = await self.store.get_member(job.user_id, job.chat_id, job.member_id)
-        locator = member.locator.id if member and member.locator else None
-        now = datetime.now(UTC)
-        receipt = Receipt(job_id=job.job_id, user_id=job.user_id, chat_id=job.chat_id, member_id=job.member_id,
-                          runtime=job.runtime, context_status=None, outcome=Outcome.NOT_SETTLED, reason=reason,
-                          locator_before=locator, locator_after=locator, started_at=now, finished_at=now)
-        with anyio.CancelScope(shield=True):
-            await self.store.finish_job(job.user_id, job.job_id, receipt.model_dump_json(), None)
-        return receipt
-
     async def _close_cancelled(self, job: Job) -> Receipt:
         """A job its chat's deletion cancelled: the receipt the turn committed as it was
         cancelled, or (cancelled before its turn ran) a not_settled one saying why."""
         rec = await self.store.get_job(job.user_id, job.job_id)
         if rec is not None and rec.receipt_json is not None:
             return Receipt.model_validate_json(rec.receipt_json)
-        return await self._close_unsettled(job, CHAT_DELETED)
+        return await close_unsettled(self.store, job, CHAT_DELETED)
 
     async def run_job(self, job: Job) -> tuple[Receipt | None, list[dict[str, Any]], str]:
         """Library call: dispatch and wait. Returns (receipt, events, submission kind)."""
@@ -379,29 +282,7 @@ class Supervisor:
     # -- chat operations ------------------------------------------------------------------------
 
     async def chat_status(self, user_id: str, chat_id: str) -> dict[str, Any] | None:
-        sb = await self.store.get_sandbox(user_id, chat_id)
-        members = await self.store.list_members(user_id, chat_id)
-        if sb is None and not members:
-            return None
-        receipts = [Receipt.model_validate_json(r).model_dump(mode="json")
-                    for r in await self.store.recent_receipts(user_id, chat_id)]
-        return {
-            "user_id": user_id, "chat_id": chat_id,
-            "sandbox": None if sb is None else {
-                "state": sb.state.value, "lost_reason": sb.lost_reason, "stop_reason": sb.stop_reason,
-                "expires_at": _iso(self.sweeps.expires_at(sb)), "container_id": sb.container_id,
-                "container_name": sb.container_name, "image_id": sb.image_id, "volume": sb.volume_name,
-                "last_used_at": sb.last_used_at.isoformat(),
-            },
-            "members": [{
-                "member_id": m.member_id, "runtime": m.runtime,
-                "locator": None if m.locator is None else m.locator.model_dump(),
-                "settled_turns": m.settled_turns, "last_status": m.last_status, "last_outcome": m.last_outcome,
-                "resident": self.pool.is_resident((user_id, chat_id, m.member_id)),
-                "forked_from": m.forked_from, "lost_reason": m.lost_reason,
-            } for m in members],
-            "last_receipts": receipts,
-        }
+        return await chat_status(self.store, self.pool, self.sweeps, user_id, chat_id)
 
     async def render_metrics(self, accept: str = "") -> tuple[bytes, str]:
         """The Prometheus exposition (in the format ``accept`` asks for) and its content type."""
@@ -447,10 +328,6 @@ class Supervisor:
         key = (user_id, chat_id, member_id)
         async with self.locks.hold(key):
             return await self.pool.retire(key, "retire requested")
-
-
-def _iso(ts: datetime | None) -> str | None:
-    return None if ts is None else ts.isoformat()
 
 
 def _repeat(conflict: bool, receipt_json: str | None) -> Submission:

@@ -13,7 +13,7 @@ import anyio
 
 from images.pins import load_pins
 from runner.attestation import Attestor, SourceIdentity
-from runner.supervisor import Heartbeat
+from runner.housekeeping import Heartbeat
 from sandbox_manager.engine import ContainerInfo, ContainerSpec, EngineError, ImageInfo, NotFound
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sandboxes import SandboxManager

@@ -20,6 +20,16 @@ def available_runtimes() -> list[str]:
     return list(RUNTIMES)
 
 
+def runtimes_one_per_bridge() -> list[str]:
+    """Every runtime but Kilo, for cases about the resident's process and transport (the keeper,
+    a killed process group) rather than about the CLI: Kilo is OpenCode's fork behind the same
+    bridge (drivers/bridge, http-agent-live-bridge) and the same keeper, so its case repeats
+    OpenCode's at twice the cost (its server starts in ~13 s here). Kilo's own behaviour keeps
+    its place in the regression matrices (history, identity, loss, volumes, upgrade), the
+    lifecycle test and the bridge driver tests."""
+    return [r for r in available_runtimes() if r != "kilo"]
+
+
 @dataclass
 class Chat:
     """One member's conversation: builds jobs and the exact history the model must see."""

@@ -13,9 +13,8 @@ import anyio
 import pytest
 
 from deploy.loopback import LoopbackFixture
-from drivers.registry import RUNTIMES
 from tests.daemon_harness import daemon_settings, running_daemon
-from tests.supervisor_helpers import Chat, assert_model_saw, high_water
+from tests.supervisor_helpers import Chat, assert_model_saw, high_water, runtimes_one_per_bridge
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
@@ -45,7 +44,7 @@ def kill_group(docker_client, container_id: str, pidfile: str) -> None:
     assert rc == 0, out
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", runtimes_one_per_bridge())
 async def test_resident_killed_between_turns_is_transport_closed_then_restored(
         runtime: str, daemon, fx, docker_client) -> None:
     chat = Chat(runtime)

@@ -14,7 +14,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture, reply, stall
 from tests.daemon_harness import TOKEN, daemon_process, daemon_settings, running_daemon
-from tests.supervisor_helpers import Chat, assert_model_saw, available_runtimes, high_water
+from tests.supervisor_helpers import Chat, assert_model_saw, high_water, runtimes_one_per_bridge
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 HEADERS = {"authorization": f"Bearer {TOKEN}"}
@@ -53,7 +53,7 @@ async def turn(client: httpx.AsyncClient, fx, chat: Chat, message: str) -> dict[
     return receipt
 
 
-@pytest.mark.parametrize("runtime", available_runtimes())
+@pytest.mark.parametrize("runtime", runtimes_one_per_bridge())
 async def test_resident_is_live_after_sigterm_and_after_kill_9(runtime, fx, tmp_path, sandbox_image,
                                                               docker_client) -> None:
     home, chat = tmp_path / "home", Chat(runtime)

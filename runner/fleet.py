@@ -87,21 +87,20 @@ class Fleet:
         delay = period
         while not self.fenced:
             await anyio.sleep(delay)
-            delay = retry
             if self._lease_paused is not None and self._lease_paused():
                 delay = period
                 continue
             t = time.monotonic()
-            renewed: HostLease | None = None
-            with anyio.move_on_after(period) as attempt:
+            failure: str | None = f"no answer within {period:.1f} s"  # unless it answers in time
+            with anyio.move_on_after(period):
                 try:
                     renewed = await self.store.renew_lease(self.lease, self.ttl_s)
+                    failure = None
                 except StoreUnavailable as exc:
-                    log.warning("fleet.renew_failed", error=str(exc), lease_left_s=round(self._valid_until - t, 1))
-                    continue
-            if attempt.cancelled_caught:
-                log.warning("fleet.renew_failed", error=f"no answer within {period:.1f} s",
-                            lease_left_s=round(self._valid_until - t, 1))
+                    failure = str(exc)
+            if failure is not None:
+                log.warning("fleet.renew_failed", error=failure, lease_left_s=round(self._valid_until - t, 1))
+                delay = retry
                 continue
             if renewed is None:
                 # Expired or superseded: this epoch is over. Stop accepting work; the store

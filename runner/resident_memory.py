@@ -5,8 +5,9 @@ cached: refreshed on a period and before every launch. Launches make room one at
 first come first served. A launch first reserves its runtime's estimate — so concurrent
 launches never count the same room twice — after the retirements its plan needs have
 completed (their memory is counted until the kill is done), and the reservation ends once
-the resident is in the pool (counted by its estimate until its first reading). Retiring takes the member's lock without waiting: a resident
-whose member has work in flight or waiting is busy and never retired for the budget.
+the resident is in the pool (counted by its estimate until its first reading). Retiring
+takes the member's lock without waiting: a resident whose member has work in flight or
+waiting is busy and never retired for the budget.
 """
 
 from __future__ import annotations

@@ -106,8 +106,7 @@ class Supervisor:
                                      metrics=self.capacity_metrics, on_stopped=self.model_path.close)
         self.sweeps = Sweeps(store=store, capacity=self.capacity, retain_days=settings.retain_days)
         self.memory = ResidentMemory(settings.resident_memory_bytes(), pool=self.pool, locks=self.locks,
-                                     registry=self.metrics.registry, refresh_s=settings.memory_refresh_s,
-                                     max_wait_s=settings.turn_timeout_s)
+                                     registry=self.metrics.registry, refresh_s=settings.memory_refresh_s)
         self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, model_path=self.model_path,
                                  models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -448,9 +449,18 @@ async def test_capture_streams(box: Box) -> None:
         for name in sorted(p.stem for p in DATA.glob("*.jsonl")):
             fresh = codex_stream_kinds(CAPTURE_DIR / f"{name}.jsonl")
             committed = codex_stream_kinds(DATA / f"{name}.jsonl")
-            problems += [f"{name}: {p}" for p in compare(fresh, committed, unordered=_codex_unordered)]
+            problems += [f"{name}: {p}" for p in compare(fresh, committed, unordered=_codex_unordered,
+                                                         ignored=_codex_racing(name))]
         assert not problems, "the real CLI no longer produces the committed streams (re-record with " \
                              "CODEX_CAPTURE=1 once understood):\n" + "\n".join(problems)
+
+
+def _codex_racing(scenario: str) -> Callable[[str], bool]:
+    # An interrupted turn's rate-limit snapshot races the interrupt: 0.171 sends it when it reads
+    # the (stalled) response's head, which the interrupt may cancel first (CI once: absent)
+    if scenario != "interrupted":
+        return lambda _kind: False
+    return lambda kind: kind == "recv account/rateLimits/updated"
 
 
 def _codex_unordered(kind: str) -> bool:

@@ -54,7 +54,7 @@ def supervisor(store: Store) -> Any:
     sup = SimpleNamespace(store=store, engine=FakeEngine(), pool=pool,
                           manager=SimpleNamespace(config=SimpleNamespace(host_id="host-a")),
                           memory=ResidentMemory(1024 * 1024 * 1024, pool=pool, locks=locks,
-                                                registry=CollectorRegistry(), refresh_s=60, max_wait_s=60),
+                                                registry=CollectorRegistry(), refresh_s=60),
                           capacity=SimpleNamespace(admission=Admission(max_turns=1, timeout_s=30, room=room)))
     sup.in_turn = lambda key: False
     return sup

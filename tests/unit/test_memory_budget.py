@@ -9,6 +9,7 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from runner.member_locks import MemberLocks
 from runner.memory_budget import FLOOR_ESTIMATES, BudgetPolicy, ResidentUse
@@ -129,7 +130,7 @@ pytestmark = pytest.mark.anyio
 async def test_the_gate_retires_the_lru_idle_resident_and_waits_for_a_busy_one() -> None:
     pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
     registry = CollectorRegistry()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60, max_wait_s=30,
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
                          reader=reader)  # type: ignore[arg-type]
     resident(pool, reader, "a", 11, 150, last=1)
     resident(pool, reader, "b", 12, 150, last=2)
@@ -177,7 +178,7 @@ async def test_launches_make_room_in_arrival_order_so_a_large_one_is_not_starved
     which would then wait behind every smaller launch (the load run's overcommits)."""
     pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
     mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=CollectorRegistry(), refresh_s=60,
-                         max_wait_s=30, reader=reader)  # type: ignore[arg-type]
+                         reader=reader)  # type: ignore[arg-type]
     for name, pgid, last in (("b", 12, 2), ("c", 13, 3), ("d", 14, 4)):
         resident(pool, reader, name, pgid, 150, last=last)
     order: list[str] = []
@@ -220,10 +221,59 @@ async def test_launches_make_room_in_arrival_order_so_a_large_one_is_not_starved
     assert sorted(k[2] for k in pool.keys()) == ["claude-e", "codex-f"]
 
 
+async def test_a_launch_that_waits_long_never_goes_over_the_budget() -> None:
+    """Every resident is in a long turn: the launch waits (reported, counted) as long as that
+    takes and never goes ahead over the budget; it launches when a turn ends. (Until stop 22 it
+    went ahead over the budget after a turn timeout: 3 and 5 times in the 48-chat load run.)"""
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    registry = CollectorRegistry()
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
+                         report_every_s=0.05, reader=reader)  # type: ignore[arg-type]
+    for name, pgid, last in (("a", 11, 1), ("b", 12, 2), ("c", 13, 3)):
+        resident(pool, reader, name, pgid, 150, last=last)
+    ends = {name: anyio.Event() for name in "abc"}
+    order: list[str] = []
+
+    async def turn(name: str) -> None:
+        async with locks.hold(("u", "c", name)):
+            await ends[name].wait()
+            order.append(f"{name} ended")
+        mem.notify()
+
+    async def launch() -> None:
+        async with locks.hold(("u", "c", "d")):
+            async with mem.launching(("u", "c", "d"), "codex"):
+                order.append("d launched")
+                assert mem.committed() <= 500 * MiB
+
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            for name in "abc":
+                tg.start_soon(turn, name)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(launch)
+            await anyio.sleep(1.5)  # over the gate's own 1 s re-plan, and many report periods
+            assert order == [] and mem.reserved == {}
+            assert sample(registry, "cloud_agent_resident_memory_launches_waiting") == 1
+            ends["b"].set()
+            with anyio.fail_after(5):
+                while "d launched" not in order:
+                    await anyio.sleep(0.01)
+            assert order == ["b ended", "d launched"], order
+            assert sorted(k[2] for k in pool.keys()) == ["a", "c"]  # b, idle after its turn, made the room
+            ends["a"].set()
+            ends["c"].set()
+    assert sample(registry, "cloud_agent_resident_memory_launches_waiting") == 0
+    assert "cloud_agent_resident_memory_launch_waits_total 1.0" in generate_latest(registry).decode()
+    still = [e for e in logs if e["event"] == "memory_budget.launch_still_waits"]
+    assert len(still) >= 1 and all(e["runtime"] == "codex" and e["budget"] == 500 * MiB for e in still)
+    assert all(e["committed"] == 3 * FLOOR_ESTIMATES["codex"] for e in still)  # each counts its floor
+
+
 async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:
     pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
     registry = CollectorRegistry()
-    mem = ResidentMemory(600 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60, max_wait_s=30,
+    mem = ResidentMemory(600 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
                          reader=reader)  # type: ignore[arg-type]
     resident(pool, reader, "a", 11, 100, last=1)
     resident(pool, reader, "b", 12, 100, last=2)

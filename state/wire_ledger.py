@@ -60,20 +60,40 @@ _INSERT_TURN = ("INSERT INTO wire_turns (user_id, chat_id, member_id, job_id, se
                 " baseline_json, failed_text, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)")
 _CLEAR_FAILED = ("UPDATE wire_turns SET failed_text=NULL WHERE user_id=? AND chat_id=? AND member_id=?"
                  " AND failed_text IS NOT NULL")
-_TURNS = "SELECT * FROM wire_turns WHERE user_id=? AND chat_id=? AND member_id=? ORDER BY created_at, job_id"
+# What the next turn's verdict compares with (SPEC 12), read with the member's own index
+# (wire_turns_by_member) in time independent of the chat's length: the last conversational turn's
+# baseline and the failed queries since, never every turn the member ever had.
+_MEMBER = "user_id=? AND chat_id=? AND member_id=? AND conversational=1"
+_LAST_BASELINE = (f"SELECT baseline_json FROM wire_turns WHERE {_MEMBER} AND baseline_json IS NOT NULL"
+                  " ORDER BY created_at DESC, job_id DESC LIMIT 1")
+_ANY_TURN = f"SELECT 1 FROM wire_turns WHERE {_MEMBER} LIMIT 1"
+# the trailing run of failed queries: failed texts with no later conversational turn that has none
+# (a success clears them all, so the run is short)
+_TRAILING_FAILED = (
+    f"SELECT failed_text FROM wire_turns t WHERE {_MEMBER} AND failed_text IS NOT NULL AND NOT EXISTS ("
+    "SELECT 1 FROM wire_turns s WHERE s.user_id=t.user_id AND s.chat_id=t.chat_id AND s.member_id=t.member_id"
+    " AND s.conversational=1 AND s.failed_text IS NULL"
+    " AND (s.created_at > t.created_at OR (s.created_at = t.created_at AND s.job_id > t.job_id)))"
+    " ORDER BY created_at, job_id")
+# a fork's first verdict: its source's last conversational turn at the fork point (its baseline or none)
+_BASELINE_AT = (f"SELECT baseline_json FROM wire_turns WHERE {_MEMBER} AND settled_index <= ?"
+                " ORDER BY created_at DESC, job_id DESC LIMIT 1")
 _PURGE = "UPDATE wire_records SET capture_json=NULL WHERE capture_json IS NOT NULL AND created_at < ?"
 _DELETE_CHAT = ("DELETE FROM wire_records WHERE user_id=? AND chat_id=?",
                 "DELETE FROM wire_turns WHERE user_id=? AND chat_id=?")
 
 
+@dataclass(frozen=True)
+class WireExpectation:
+    """A member's standing in the ledger for its next verdict."""
+
+    conversational: bool  # any conversational turn of its own
+    baseline_json: str | None  # of its last conversational turn that left one
+    failed_texts: list[str]  # its failed queries since its last conversational turn without one, oldest first
+
+
 def _record(row: Any) -> WireRecordRow:
     return WireRecordRow(**{k: row[k] for k in WireRecordRow.__dataclass_fields__})
-
-
-def _turn(row: Any) -> WireTurnRow:
-    values = {k: row[k] for k in WireTurnRow.__dataclass_fields__}
-    values["conversational"] = bool(values["conversational"])
-    return WireTurnRow(**values)
 
 
 def turn_params(turn: WireTurnRow) -> tuple[Any, ...]:
@@ -114,8 +134,24 @@ class SQLiteWireLedger:
         return await self._run(lambda db: [_record(r) for r in db.execute(_RECORDS_OF_JOB,
                                                                           (user_id, chat_id, job_id))])
 
-    async def wire_turns(self, user_id: str, chat_id: str, member_id: str) -> list[WireTurnRow]:
-        return await self._run(lambda db: [_turn(r) for r in db.execute(_TURNS, (user_id, chat_id, member_id))])
+    async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
+        key = (user_id, chat_id, member_id)
+
+        def q(db: sqlite3.Connection) -> WireExpectation:
+            if db.execute(_ANY_TURN, key).fetchone() is None:
+                return WireExpectation(False, None, [])
+            base = db.execute(_LAST_BASELINE, key).fetchone()
+            failed = [r[0] for r in db.execute(_TRAILING_FAILED, key)]
+            return WireExpectation(True, base[0] if base else None, failed)
+
+        return await self._run(q)
+
+    async def wire_baseline_at(self, user_id: str, chat_id: str, member_id: str, settled_index: int) -> str | None:
+        def q(db: sqlite3.Connection) -> str | None:
+            row = db.execute(_BASELINE_AT, (user_id, chat_id, member_id, settled_index)).fetchone()
+            return row[0] if row else None
+
+        return await self._run(q)
 
     async def purge_wire_capture(self, before: datetime) -> int:
         return await self._run(lambda db: self._tx(db, lambda d: d.execute(_PURGE, (before.isoformat(),)).rowcount))
@@ -147,10 +183,23 @@ class PostgresWireLedger:
 
         return await self._tx(q)
 
-    async def wire_turns(self, user_id: str, chat_id: str, member_id: str) -> list[WireTurnRow]:
-        async def q(conn: Any) -> list[WireTurnRow]:
-            cur = await conn.execute(_pg(_TURNS), (user_id, chat_id, member_id))
-            return [_turn(r) for r in await cur.fetchall()]
+    async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
+        key = (user_id, chat_id, member_id)
+
+        async def q(conn: Any) -> WireExpectation:
+            if await (await conn.execute(_pg(_ANY_TURN), key)).fetchone() is None:
+                return WireExpectation(False, None, [])
+            base = await (await conn.execute(_pg(_LAST_BASELINE), key)).fetchone()
+            failed = [r["failed_text"] for r in await (await conn.execute(_pg(_TRAILING_FAILED), key)).fetchall()]
+            return WireExpectation(True, base["baseline_json"] if base else None, failed)
+
+        return await self._tx(q)
+
+    async def wire_baseline_at(self, user_id: str, chat_id: str, member_id: str, settled_index: int) -> str | None:
+        async def q(conn: Any) -> str | None:
+            cur = await conn.execute(_pg(_BASELINE_AT), (user_id, chat_id, member_id, settled_index))
+            row = await cur.fetchone()
+            return row["baseline_json"] if row else None
 
         return await self._tx(q)
 

@@ -636,3 +636,54 @@ async def test_keeper_records_per_member_and_host(store: StoreContract) -> None:
     await store.delete_keeper("u", "c", "m1")  # idempotent
     assert await store.list_keepers("h1") == []
     assert [r.identity["pid"] for r in await store.list_keepers("h2")] == [7]
+
+
+def _reference_expectation(turns: list[dict], member: str) -> tuple[bool, str | None, list[str]]:
+    """The verdict's expectation as it was computed from every turn of the member (before
+    wire_expectation read only what it needs): the reference the queries must equal."""
+    own = sorted((t for t in turns if t["member_id"] == member and t["conversational"]),
+                 key=lambda t: (t["created_at"], t["job_id"]))
+    failed: list[str] = []
+    for t in reversed(own):
+        if t["failed_text"] is None:
+            break
+        failed.insert(0, t["failed_text"])
+    last = next((t["baseline_json"] for t in reversed(own) if t["baseline_json"]), None)
+    return bool(own), last, failed
+
+
+async def test_the_wire_expectation_reads_what_every_turn_would_say(store: StoreContract) -> None:
+    """Random member histories (successes, settled failures whose query reached the model or
+    not, not_settled turns, turns without a baseline, equal timestamps): the two short queries
+    answer exactly what reading every turn answered, for the member and at a fork point."""
+    import random
+    from datetime import UTC, datetime, timedelta
+
+    from state.wire_ledger import WireTurnRow
+
+    rnd = random.Random(20261202)
+    await store.ensure_member("u", "c", "m", "claude")
+    base = datetime(2026, 12, 2, tzinfo=UTC)
+    seen: list[tuple[bool, str | None, list[str]]] = []
+    for i in range(60):
+        outcome = rnd.choice(["succeeded", "succeeded", "failed", "failed", "not_settled"])
+        conversational = rnd.random() < 0.8
+        baseline = f'{{"turn": {i}}}' if rnd.random() < 0.85 else None
+        failed_text = f"query {i}" if outcome == "failed" and conversational else None
+        at = base + timedelta(seconds=i // 2)  # pairs of turns share a timestamp: job_id orders them
+        job = f"j{i:03d}"
+        await store.claim_job(job, "u", "c", "m", "d", "o")
+        turn = WireTurnRow("u", "c", "m", job, i + 1, outcome, conversational, baseline, failed_text, at.isoformat())
+        await store.finish_job("u", job, _receipt(job, "u", "c", str(i)), MemberOutcome("LIVE", outcome, wire=turn))
+        got = await store.wire_expectation("u", "c", "m")
+        want = _reference_expectation(rows(store, "wire_turns"), "m")
+        assert (got.conversational, got.baseline_json, got.failed_texts) == want, i
+        seen.append(want)
+    # the histories covered every shape: none yet... runs of failed queries, no baseline at the end
+    assert any(len(f) >= 2 for _, _, f in seen) and any(f == [] for _, _, f in seen)
+    turns = sorted(rows(store, "wire_turns"), key=lambda t: (t["created_at"], t["job_id"]))
+    for point in (0, 1, 17, 30, 60):
+        at = [t for t in turns if t["conversational"] and t["settled_index"] <= point]
+        assert await store.wire_baseline_at("u", "c", "m", point) == (at[-1]["baseline_json"] if at else None)
+    empty = await store.wire_expectation("u", "c", "another")
+    assert (empty.conversational, empty.baseline_json, empty.failed_texts) == (False, None, [])

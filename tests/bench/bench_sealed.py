@@ -1,15 +1,27 @@
-"""Sealed sandboxes vs before (issue 12), side by side in one run, per CLI: NEW, LIVE and
-RESTORED turns through a real daemon.
+"""What sealing costs each CLI (issue 12): NEW, LIVE and RESTORED turns, sealed vs direct,
+side by side in one run.
 
-    uv run python tests/bench/bench_sealed.py --before <commit> [--rounds 5] [--runtimes codex,pi]
+    uv run python tests/bench/bench_sealed.py [--rounds 5] [--live 5] [--runtimes claude,codex,pi,opencode,kilo]
 
-``--before`` is a commit without the model proxy (host networking, the key on stdin): it is
-checked out into a throwaway git worktree, its own image is built (the tag follows its
-inputs) and its daemon runs from there (``python -m runner.cli serve``). The current tree's
-daemon runs sealed. Both serve the same in-process loopback fixture; each round runs one
-chat per CLI on each daemon, alternating which goes first. Printed: the median of each
-phase's receipt ``timings_ms.total`` per CLI and daemon, and the ratio sealed ÷ before
-(goal: no CLI slower by more than 5%).
+Both arms drive the same pinned CLI with the same driver in the same sealed sandbox (network
+``none``, one container per CLI); only the way to the model differs:
+
+* ``sealed`` — the product's path: the CLI → ``127.0.0.1:<port>`` in the sandbox (ca-modelgate)
+  → the sandbox's unix socket → the daemon's model proxy (key swap, allow-list, wire audit)
+  → the loopback fixture, a process on the host;
+* ``direct`` — the unsealed design's network path (the CLI's TCP connection on loopback
+  straight to the model), without host networking: a second loopback fixture process runs on
+  the host *inside the sandbox's own network namespace* (``nsenter --net``), listening on the
+  sandbox's 127.0.0.1, and the CLI's base URL points at it. Nothing leaves loopback and the
+  sandbox keeps network ``none``; the earlier "before" arm (a daemon with host networking) is
+  not run: no sandbox may use host networking, not in benches either.
+
+A turn is timed around the driver calls, as the supervisor makes them: NEW = launch, handshake
+and the first turn; LIVE = one more turn on the same process (the median of ``--live``);
+RESTORED = the process retired (its group killed), then launch with the saved locator,
+resume handshake and a turn. Arms alternate which goes first each round; every turn of each
+arm must reach its own fixture only (checked from the fixtures' request counts). Printed per
+CLI: the medians and sealed ÷ direct (goal: no CLI slower by more than 5%).
 """
 
 from __future__ import annotations
@@ -21,110 +33,202 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import httpx
+import anyio
+import docker
+from pydantic import SecretStr
 
-from deploy.loopback import LoopbackFixture
-from tests.daemon_harness import TOKEN, free_port, serve_process, test_socket_dir
+from drivers.models import GatewayConfig, Locator
+from images.build import ensure_image
+from runner.config import LOOPBACK_KEY
+from runner.processes import member_paths, start_in_sandbox
+from runner.transport import exec_transport
+from tests.daemon_harness import daemon_settings, running_daemon
+from tests.regression.conftest import remove_host_containers
 
 REPO = Path(__file__).resolve().parents[2]
+RUNTIMES = ("claude", "codex", "pi", "opencode", "kilo")
 PHASES = ("NEW", "LIVE", "RESTORED")
-HOST_IDS: list[str] = []
+DIRECT_PORT = 18555  # in the sandbox's own network namespace (ca-modelgate has 18080)
 
 
-def image_of(tree: Path) -> str:
-    out = subprocess.run([sys.executable, "-c", "from images.build import ensure_image; print(ensure_image())"],
-                         cwd=tree, capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(tree)))
-    return out.stdout.strip().splitlines()[-1]
-
-
-def daemon_env(home: Path, gateway: str, image: str, port: int, sealed: bool) -> dict[str, str]:
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "token").write_text(TOKEN + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLOUD_AGENT_")}
-    env.update(CLOUD_AGENT_HOME=str(home), CLOUD_AGENT_GATEWAY_URL=gateway, CLOUD_AGENT_IMAGE=image,
-               CLOUD_AGENT_SERVICE_TOKEN_FILE=str(home / "token"), CLOUD_AGENT_LISTEN_PORT=str(port),
-               CLOUD_AGENT_HOST_ID=f"bench-sealed-{uuid.uuid4().hex[:8]}")
-    HOST_IDS.append(env["CLOUD_AGENT_HOST_ID"])
-    if sealed:
-        env["CLOUD_AGENT_SOCKET_DIR"] = test_socket_dir(home)
-    else:  # the old default for a loopback gateway, spelled out
-        env["CLOUD_AGENT_SANDBOX_NETWORK"] = "host"
-    return env
-
-
-def turn(client: httpx.Client, user: str, chat: str, runtime: str, message: str) -> dict:
-    job = {"job_id": f"job-{uuid.uuid4().hex}", "user_id": user, "chat_id": chat, "member_id": "m1",
-           "runtime": runtime, "message": message}
-    resp = client.post("/v1/jobs", json=job)
-    receipt = json.loads(resp.text.strip().splitlines()[-1]).get("receipt")
-    assert receipt and receipt["outcome"] == "succeeded", resp.text[-2000:]
-    return receipt
-
-
-def one_chat(client: httpx.Client, runtime: str) -> dict[str, float]:
-    user, chat = f"u-{uuid.uuid4().hex[:8]}", f"c-{uuid.uuid4().hex[:8]}"
-    out = {}
-    for phase, msg in zip(PHASES, ("first question", "second question", "third question"), strict=True):
-        if phase == "RESTORED":
-            r = client.post(f"/v1/users/{user}/chats/{chat}/members/m1/retire")
-            assert r.status_code == 200, r.text
-        receipt = turn(client, user, chat, runtime, msg)
-        assert receipt["context_status"] == phase, receipt
-        out[phase] = float(receipt["timings_ms"]["total"])
-    return out
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--before", required=True, help="a commit without the model proxy")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--runtimes", default="claude,codex,pi,opencode,kilo")
-    args = ap.parse_args()
-    runtimes = args.runtimes.split(",")
-    work = Path(tempfile.mkdtemp(prefix="bench-sealed-", dir="/var/tmp"))
-    old_tree = work / "before"
-    subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), args.before], cwd=REPO, check=True,
-                   capture_output=True)
-    results: dict[tuple[str, str, str], list[float]] = {}
+@contextmanager
+def fixture_process(port: int, *, netns_pid: int | None = None) -> Iterator[str]:
+    """``python -m deploy.loopback`` on 127.0.0.1:``port`` — of the host, or of the network
+    namespace of process ``netns_pid`` (a sandbox's init). Yields its control token."""
+    token_file = Path(tempfile.mkdtemp(prefix="bench-sealed-")) / "token"
+    argv = [sys.executable, "-m", "deploy.loopback", "--port", str(port), "--token-file", str(token_file),
+            "--exit-on-stdin-eof"]
+    if netns_pid is not None:
+        argv = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", "--", *argv]
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
-        images = {"before": image_of(old_tree), "sealed": image_of(REPO)}
-        print(f"images: {images}", flush=True)
-        with LoopbackFixture.start() as fx:
-            trees = {"before": old_tree, "sealed": REPO}
-            ports = {name: free_port() for name in trees}
-            with serve_process(daemon_env(work / "home-before", fx.base_url, images["before"], ports["before"], False),
-                               ports["before"], work / "before.log", cwd=old_tree,
-                               argv=[sys.executable, "-m", "runner.cli", "serve"]) as old, \
-                    serve_process(daemon_env(work / "home-sealed", fx.base_url, images["sealed"], ports["sealed"],
-                                             True), ports["sealed"], work / "sealed.log", cwd=REPO) as new:
-                clients = {name: httpx.Client(base_url=d.url, timeout=600, headers={"authorization": f"Bearer {TOKEN}"})
-                           for name, d in (("before", old), ("sealed", new))}
-                for rnd in range(args.rounds):
-                    order = ["before", "sealed"] if rnd % 2 == 0 else ["sealed", "before"]
-                    for runtime in runtimes:
-                        for name in order:
-                            for phase, ms in one_chat(clients[name], runtime).items():
-                                results.setdefault((runtime, phase, name), []).append(ms)
-                    print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()  # its first line says it listens
+        if proc.poll() is not None or not line:
+            raise RuntimeError(f"fixture did not start: {line!r}")
+        deadline = time.monotonic() + 10
+        while not token_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield token_file.read_text().strip()
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=REPO, capture_output=True)
-        for host_id in HOST_IDS:  # this run's sandboxes only (the engine is shared)
-            ids = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=org.cloud-agent.host-id={host_id}"],
-                                 capture_output=True, text=True).stdout.split()
-            if ids:
-                subprocess.run(["docker", "rm", "-f", *ids], capture_output=True)
-    print(f"\nturn total (receipt timings_ms.total), median of {args.rounds} rounds; sealed ÷ before")
-    print(f"{'runtime':9} {'phase':9} {'before ms':>10} {'sealed ms':>10} {'ratio':>7}")
-    for runtime in runtimes:
-        for phase in PHASES:
-            b = statistics.median(results[(runtime, phase, "before")])
-            s = statistics.median(results[(runtime, phase, "sealed")])
-            print(f"{runtime:9} {phase:9} {b:10.0f} {s:10.0f} {s / b:7.3f}")
-    return 0
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def host_fixture_count(port: int, token: str) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/_fixture/requests",
+                                 headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return len(json.loads(resp.read())["requests"])
+
+
+def in_netns_count(pid: int, token: str) -> int:
+    """The direct fixture's request count, asked from inside the sandbox's namespace."""
+    code = ("import json,sys,urllib.request as u;"
+            f"r=u.Request('http://127.0.0.1:{DIRECT_PORT}/_fixture/requests',"
+            f"headers={{'authorization':'Bearer {token}'}});"
+            "print(len(json.loads(u.urlopen(r,timeout=10).read())['requests']))")
+    out = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "--", sys.executable, "-c", code],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+@dataclass
+class Arm:
+    name: str
+    gateway: GatewayConfig
+    member: str
+    times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+
+
+class Member:
+    """One member's CLI driven as the supervisor drives it, on an exec in the chat's sandbox."""
+
+    def __init__(self, sup: Any, sandbox: Any, runtime: str, arm: Arm) -> None:
+        self.sup, self.sandbox, self.runtime, self.arm = sup, sandbox, runtime, arm
+        self.driver = sup.runner.driver(runtime)
+        self.dirs = sup.manager.member_dirs(arm.member)
+        self.session: Any = None
+        self.proc: Any = None
+        self.locator: Locator | None = None
+
+    async def start(self, resume: Locator | None) -> None:
+        launch = self.driver.plan(member_paths(self.dirs), self.arm.gateway, resume)
+        self.proc = await start_in_sandbox(self.sup.manager, self.sandbox, self.dirs, launch, name="bench")
+        self.session = self.driver.session(exec_transport(self.proc.stream), launch)
+        await self.session.handshake()
+
+    async def turn(self, message: str) -> None:
+        out = await self.session.run_turn(message, emit=lambda ev: None, timeout_s=300)
+        assert not getattr(out, "is_error", True) and getattr(out, "observed_locator", None), out
+        self.locator = self.session.locator = out.observed_locator
+
+    async def retire(self) -> None:
+        await self.session.close(3.0)
+        await self.sup.manager.kill_group(self.proc.container_id, self.proc.pidfile)
+        await self.session.transport.close()
+
+
+async def one_round(sup: Any, sandbox: Any, runtime: str, arm: Arm, live: int, r: int) -> None:
+    m = Member(sup, sandbox, runtime, arm)
+    t = time.perf_counter()
+    await m.start(None)
+    await m.turn(f"{arm.name} round {r}: the first message")
+    arm.times["NEW"].append((time.perf_counter() - t) * 1000)
+    lives = []
+    for i in range(live):
+        t = time.perf_counter()
+        await m.turn(f"{arm.name} round {r}: live {i}")
+        lives.append((time.perf_counter() - t) * 1000)
+    arm.times["LIVE"].append(statistics.median(lives))
+    await m.retire()
+    t = time.perf_counter()
+    await m.start(m.locator)
+    await m.turn(f"{arm.name} round {r}: after the restore")
+    arm.times["RESTORED"].append((time.perf_counter() - t) * 1000)
+    await m.retire()
+
+
+async def bench_runtime(sup: Any, runtime: str, rounds: int, live: int, host: tuple[int, str]) -> dict[str, Arm]:
+    user, chat = "bench", f"sealed-{runtime}-{uuid.uuid4().hex[:6]}"
+    await sup.model_path.open(user, chat)
+    sandbox = await sup.manager.resolve(user, chat)
+    pid = sandbox.container.attrs["State"]["Pid"]
+    model = sup.runner.models[runtime]
+    with fixture_process(DIRECT_PORT, netns_pid=pid) as direct_token:
+        direct_gw = GatewayConfig(base_url=f"http://127.0.0.1:{DIRECT_PORT}", key=SecretStr(LOOPBACK_KEY), model=model)
+        arms = {"sealed": None, "direct": None}
+        for r in range(rounds):
+            order = ("sealed", "direct") if r % 2 == 0 else ("direct", "sealed")
+            for name in order:
+                member = f"{name}-{r}"
+                gw = sup.runner.gateway(runtime, user, chat, member) if name == "sealed" else direct_gw
+                arm = arms[name] or Arm(name, gw, member)
+                arm.gateway, arm.member = gw, member  # a fresh member (NEW) each round
+                arms[name] = arm
+                before = (host_fixture_count(*host), in_netns_count(pid, direct_token))
+                await one_round(sup, sandbox, runtime, arm, live, r)
+                after = (host_fixture_count(*host), in_netns_count(pid, direct_token))
+                grew = (after[0] - before[0], after[1] - before[1])
+                # each arm reached its own model only
+                assert (grew[0] > 0 and grew[1] == 0) if name == "sealed" else (grew[0] == 0 and grew[1] > 0), \
+                    (runtime, name, grew)
+    await sup.model_path.close(user, chat)
+    return {k: v for k, v in arms.items() if v is not None}
+
+
+async def main(args: argparse.Namespace) -> None:
+    from telemetry.logs import configure_logging
+
+    configure_logging(json=False, level="WARNING")
+    image = ensure_image()
+    host_port = 18556
+    results: dict[str, dict[str, Arm]] = {}
+    with fixture_process(host_port) as host_token, tempfile.TemporaryDirectory() as tmp:
+        settings = daemon_settings(Path(tmp) / "home", f"http://127.0.0.1:{host_port}", image)
+        try:
+            async with running_daemon(settings) as d:
+                sup = d.daemon.supervisor
+                for runtime in args.runtimes.split(","):
+                    results[runtime] = await bench_runtime(sup, runtime, args.rounds, args.live, (host_port, host_token))
+                    print(table({runtime: results[runtime]}, header=not len(results) > 1), flush=True)
+        finally:
+            remove_host_containers(docker.from_env(), settings.resolved_host_id())
+    print(f"\nsealed vs direct, {args.rounds} rounds per CLI (a fresh member each), LIVE = median of {args.live}; "
+          f"load {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(table(results, header=True))
+
+
+def table(results: dict[str, dict[str, Arm]], *, header: bool) -> str:
+    lines = []
+    if header:
+        lines.append(f"{'runtime':9}" + "".join(f"{p + ' sealed':>16}{p + ' direct':>16}{'ratio':>7}" for p in PHASES))
+    for runtime, arms in results.items():
+        cells = []
+        for p in PHASES:
+            s, d = statistics.median(arms["sealed"].times[p]), statistics.median(arms["direct"].times[p])
+            cells.append(f"{s:16.1f}{d:16.1f}{s / d:7.3f}")
+        lines.append(f"{runtime:9}" + "".join(cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--live", type=int, default=5)
+    ap.add_argument("--runtimes", default=",".join(RUNTIMES))
+    anyio.run(main, ap.parse_args())

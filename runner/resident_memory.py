@@ -190,10 +190,10 @@ class ResidentMemory:
                     self.metrics.waiting.inc()
                     log.info("memory_budget.launch_waits", runtime=runtime, ahead=self._launch_queue.index(ticket),
                              budget=self.policy.budget)
-                elif now - reported >= self.report_every_s:
-                    reported = now
+                elif now - reported >= self.report_every_s and self._launch_queue[0] is ticket:
+                    reported = now  # the head speaks for the queue: one line per period, not one per launch
                     log.warning("memory_budget.launch_still_waits", runtime=runtime, waited_s=round(now - waited_since),
-                                ahead=self._launch_queue.index(ticket), committed=self.committed(),
+                                behind=len(self._launch_queue) - 1, committed=self.committed(),
                                 budget=self.policy.budget)
                 with anyio.move_on_after(1.0):  # or as soon as a turn ends, a resident retires or a launch goes
                     await self._changed.wait()

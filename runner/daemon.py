@@ -155,7 +155,7 @@ class Api:
         events = sub.events
         assert events is not None
 
-        return StreamingResponse(events.lines(), media_type=NDJSON)
+        return StreamingResponse(events.chunks(), media_type=NDJSON)
 
     async def get_job(self, request: Request) -> Response:
         user_id = request.query_params.get("user_id", "")

@@ -97,6 +97,26 @@ class JobStream:
         finally:
             self.close()
 
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Whole lines, but what queued up while the reader was away comes as one chunk: the
+        HTTP response writes a burst of deltas once, not once a line."""
+        batch: list[bytes] = []
+        lines = self.lines()
+        try:
+            while True:
+                try:
+                    batch.append(await lines.__anext__())
+                except StopAsyncIteration:
+                    break
+                if self._lines:  # more are queued already: take them without waiting
+                    continue
+                yield b"".join(batch)
+                batch.clear()
+            if batch:
+                yield b"".join(batch)
+        finally:
+            await lines.aclose()
+
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         async for line in self.lines():
             yield json.loads(line)

@@ -81,11 +81,21 @@ class Keepers:
         await keeper_sandbox.retire(self.manager.engine, container_id, KeeperPaths.in_run_dir(run_dir))
 
     def _record(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession,
-                turn: KeeperTurn | None) -> KeeperRecord:
+                turn: KeeperTurn | None, *, acked: int | None = None) -> KeeperRecord:
         return KeeperRecord(user_id=key[0], chat_id=key[1], member_id=key[2], host_id=self.manager.config.host_id,
                             runtime=runtime, container_id=handle.container_id, run_dir=handle.run_dir,
                             identity=handle.channel.identity.model_dump(), session=session.snapshot(),
-                            acked=handle.channel.acked, turn=turn)
+                            acked=handle.channel.acked if acked is None else acked, turn=turn)
+
+    def after_turn(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession) -> KeeperRecord:
+        """The record a turn's commit writes with its receipt: no turn in flight, everything the
+        turn read committed. Acknowledge it to the keeper (:meth:`acknowledge`) only after the
+        commit: a re-attach may start later than the keeper's own acknowledgement, never earlier."""
+        return self._record(key, runtime, handle, session, None, acked=handle.channel.offset)
+
+    @staticmethod
+    async def acknowledge(handle: KeeperHandle, rec: KeeperRecord) -> None:
+        await handle.channel.ack(rec.acked)
 
     async def settle(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession) -> None:
         """Between turns (after a handshake or a commit): everything read is committed."""

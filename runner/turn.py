@@ -61,7 +61,7 @@ from sandbox_manager.sandboxes import SandboxManager
 from sandbox_manager.sealing import ModelGateNotReady
 from state.jobs import Job
 from state.contract import VerifiedIn
-from state.keepers import KeeperTurn
+from state.keepers import KeeperRecord, KeeperTurn
 from state.receipts import ContextStatus, Outcome, Receipt, Timings
 from state.store import MemberOutcome, Store, VerifiedTurn
 from telemetry.turn_trace import mark
@@ -117,7 +117,8 @@ class TurnRunner:
 
     # -- receipts ---------------------------------------------------------------------------------
 
-    async def _commit(self, ctx: TurnContext, receipt: Receipt, verified: Locator | None) -> Receipt:
+    async def _commit(self, ctx: TurnContext, receipt: Receipt, verified: Locator | None,
+                      keeper: KeeperRecord | None = None) -> Receipt:
         with anyio.CancelScope(shield=True):
             settled = (ctx.member.settled_turns if ctx.member else 0) + (1 if verified is not None else 0)
             wire, row = await self.model_path.settle(receipt, ctx.member, message=ctx.job.message,
@@ -131,6 +132,7 @@ class TurnRunner:
             last_outcome=receipt.outcome.value,
             verified=VerifiedTurn(to_saved(verified), where) if verified is not None else None,
             wire=row,
+            keeper=keeper,
         )
         with anyio.CancelScope(shield=True):
             await self.store.finish_job(receipt.user_id, receipt.job_id, receipt.model_dump_json(), member)
@@ -412,14 +414,18 @@ class TurnRunner:
         reason = (outcome.reason.value if outcome.reason else "api_error") if outcome.is_error else None
         receipt = build_receipt(ctx, result, reason=reason, settlement=outcome, text=outcome.assistant_text,
                                 locator_after=observed.id)
-        receipt = await self._commit(ctx, receipt, observed)
         current = self.pool.get(key)
-        if current is not None and current.keeper is not None and keepers is not None:
+        kept, after = (current.keeper if current is not None else None), None
+        if kept is not None and keepers is not None:
+            # the keeper's between-turns record commits with the receipt (one write, not two)
+            after = keepers.after_turn(key, job.runtime, kept, session)
+        receipt = await self._commit(ctx, receipt, observed, after)
+        if kept is not None and after is not None:
             try:
-                await keepers.settle(key, job.runtime, current.keeper, session)
-            except Exception as exc:  # noqa: BLE001 - committed already; an unrecorded keeper retires
-                log.warning("keeper.settle_failed", job_id=job.job_id, error=repr(exc))
-                await self.pool.retire(key, "keeper record failed")
+                await Keepers.acknowledge(kept, after)
+            except Exception as exc:  # noqa: BLE001 - committed already; a keeper we cannot tell retires
+                log.warning("keeper.ack_failed", job_id=job.job_id, error=repr(exc))
+                await self.pool.retire(key, "keeper acknowledgement failed")
         if outcome.retire_after and not self.hooks.disable_retire_after:
             # SPEC section 6: after a Claude api_retry, save the verified locator, then retire.
             await self.pool.retire(key, "retire_after (api_retry seen)")

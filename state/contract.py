@@ -63,6 +63,9 @@ class MemberOutcome:
     last_outcome: str
     verified: VerifiedTurn | None = None  # None: failed / refused / not settled — locator untouched
     wire: WireTurnRow | None = None  # the turn's wire ledger row, committed with the receipt
+    # the member's keeper between turns (SPEC 14: no turn in flight, output acknowledged up to the
+    # turn's end), committed with the receipt rather than in a write of its own after it
+    keeper: KeeperRecord | None = None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,24 @@ CREATE INDEX keepers_by_host ON keepers (host_id)
 """
 
 
+_UPSERT = ("INSERT INTO keepers (user_id, chat_id, member_id, host_id, record_json, updated_at)"
+           " VALUES (?,?,?,?,?,?) ON CONFLICT (user_id, chat_id, member_id) DO UPDATE SET"
+           " host_id=excluded.host_id, record_json=excluded.record_json, updated_at=excluded.updated_at")
+
+
+def _upsert_params(rec: KeeperRecord) -> tuple[str, ...]:
+    return (rec.user_id, rec.chat_id, rec.member_id, rec.host_id, rec.model_dump_json(), now().isoformat())
+
+
+def sqlite_put_keeper(db: sqlite3.Connection, rec: KeeperRecord) -> None:
+    """Inside a transaction (``finish_job``: the keeper between turns, committed with the receipt)."""
+    db.execute(_UPSERT, _upsert_params(rec))
+
+
+async def postgres_put_keeper(conn: Any, rec: KeeperRecord) -> None:
+    await conn.execute(_UPSERT.replace("?", "%s"), _upsert_params(rec))
+
+
 class SQLiteKeepers:
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         raise NotImplementedError
@@ -71,14 +89,7 @@ class SQLiteKeepers:
         raise NotImplementedError
 
     async def put_keeper(self, rec: KeeperRecord) -> None:
-        def q(db: sqlite3.Connection) -> None:
-            db.execute("INSERT INTO keepers (user_id, chat_id, member_id, host_id, record_json, updated_at)"
-                       " VALUES (?,?,?,?,?,?) ON CONFLICT (user_id, chat_id, member_id) DO UPDATE SET"
-                       " host_id=excluded.host_id, record_json=excluded.record_json, updated_at=excluded.updated_at",
-                       (rec.user_id, rec.chat_id, rec.member_id, rec.host_id, rec.model_dump_json(),
-                        now().isoformat()))
-
-        await self._run(lambda db: self._tx(db, q))
+        await self._run(lambda db: self._tx(db, lambda d: sqlite_put_keeper(d, rec)))
 
     async def list_keepers(self, host_id: str) -> list[KeeperRecord]:
         def q(db: sqlite3.Connection) -> list[KeeperRecord]:
@@ -101,14 +112,7 @@ class PostgresKeepers:
         raise NotImplementedError
 
     async def put_keeper(self, rec: KeeperRecord) -> None:
-        async def q(conn: Any) -> None:
-            await conn.execute(
-                "INSERT INTO keepers (user_id, chat_id, member_id, host_id, record_json, updated_at)"
-                " VALUES (%s,%s,%s,%s,%s,%s) ON CONFLICT (user_id, chat_id, member_id) DO UPDATE SET"
-                " host_id=excluded.host_id, record_json=excluded.record_json, updated_at=excluded.updated_at",
-                (rec.user_id, rec.chat_id, rec.member_id, rec.host_id, rec.model_dump_json(), now().isoformat()))
-
-        await self._tx(q)
+        await self._tx(lambda conn: postgres_put_keeper(conn, rec))
 
     async def list_keepers(self, host_id: str) -> list[KeeperRecord]:
         async def q(conn: Any) -> list[KeeperRecord]:

@@ -40,7 +40,7 @@ from state.contract import (
     now,
 )
 from state.migrations import MIGRATIONS
-from state.keepers import PostgresKeepers
+from state.keepers import PostgresKeepers, postgres_put_keeper
 from state.postgres_fleet import NOW_MS, Conn, PostgresFleet
 from state.chat_deletion import PostgresChatDeletion
 from state.wire_ledger import PostgresWireLedger, postgres_put_turn
@@ -338,6 +338,8 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
                 return
             if member.wire is not None:
                 await postgres_put_turn(conn, member.wire)
+            if member.keeper is not None:
+                await postgres_put_keeper(conn, member.keeper)
             if member.verified is not None:
                 v = member.verified
                 loc, at = v.locator, v.where or VerifiedIn()

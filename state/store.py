@@ -29,7 +29,7 @@ from state.contract import (
     now,
 )
 from state.migrations import migrate
-from state.keepers import SQLiteKeepers
+from state.keepers import SQLiteKeepers, sqlite_put_keeper
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
 from state.chat_deletion import SQLiteChatDeletion
 from state.wire_ledger import SQLiteWireLedger, sqlite_put_turn
@@ -307,6 +307,8 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                 return
             if member.wire is not None:
                 sqlite_put_turn(db, member.wire)
+            if member.keeper is not None:
+                sqlite_put_keeper(db, member.keeper)
             if member.verified is not None:
                 v = member.verified
                 loc, at = v.locator, v.where or VerifiedIn()

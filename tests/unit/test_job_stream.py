@@ -77,6 +77,20 @@ async def test_a_reader_that_leaves_frees_the_buffer_and_later_events_are_ignore
     assert stream.buffered_bytes == 0
 
 
+async def test_chunks_carry_what_queued_up_in_one_write_and_whole_lines_only() -> None:
+    stream = JobStream(budget_bytes=10_000)
+    for i in range(3):
+        stream.emit(delta(i))
+    chunks = stream.chunks()
+    assert await chunks.__anext__() == b"".join(ndjson_line(delta(i)) for i in range(3))  # one chunk, three lines
+    stream.emit(delta(3))
+    assert await chunks.__anext__() == ndjson_line(delta(3))
+    stream.emit(delta(4))
+    stream.finish(RECEIPT)
+    assert [c async for c in chunks] == [ndjson_line(delta(4)) + ndjson_line(RECEIPT)]
+    assert stream.buffered_bytes == 0
+
+
 async def test_member_locks_exist_only_while_held_or_awaited() -> None:
     locks = MemberLocks()
     order: list[str] = []

@@ -638,6 +638,32 @@ async def test_keeper_records_per_member_and_host(store: StoreContract) -> None:
     assert [r.identity["pid"] for r in await store.list_keepers("h2")] == [7]
 
 
+async def test_a_turns_commit_records_its_keeper_between_turns_in_the_same_transaction(store: StoreContract) -> None:
+    """The keeper's between-turns record (no turn, output acknowledged to the turn's end) is
+    written by the commit itself; a commit that is refused (the job already committed) writes
+    no keeper record either."""
+    from state.keepers import KeeperRecord, KeeperTurn
+
+    def rec(acked: int, turn: KeeperTurn | None) -> KeeperRecord:
+        return KeeperRecord(user_id="u", chat_id="c", member_id="m", host_id="h1", runtime="codex",
+                            container_id="cid", run_dir="/home/agent/members/m/run",
+                            identity={"keeper_id": "k" * 32, "pid": 7, "start_time": 99, "member": "m", "tags": {}},
+                            session={"turns": 1, "thread_id": "t-1"}, acked=acked, turn=turn)
+
+    turn = KeeperTurn(job_json='{"job_id":"j1"}', start_json='{"turn":1}', offset=40, context_status="LIVE",
+                      started_at=now(), timings_json='{"sandbox":1,"process":2,"turn":0,"total":0}')
+    await store.ensure_member("u", "c", "m", "codex")
+    await store.put_keeper(rec(40, turn))  # the turn began at offset 40
+    await store.claim_job("j1", "u", "c", "m", "d", "o")
+    await store.finish_job("u", "j1", _receipt("j1", "u", "c", "one"),
+                           MemberOutcome("LIVE", "succeeded", VerifiedTurn(SavedLocator(id="L-1")), keeper=rec(95, None)))
+    assert [(r.acked, r.turn) for r in await store.list_keepers("h1")] == [(95, None)]
+    with pytest.raises(RuntimeError):  # never committed twice, and nothing of the second attempt is kept
+        await store.finish_job("u", "j1", _receipt("j1", "u", "c", "two"),
+                               MemberOutcome("LIVE", "succeeded", keeper=rec(120, turn)))
+    assert [(r.acked, r.turn) for r in await store.list_keepers("h1")] == [(95, None)]
+
+
 def _reference_expectation(turns: list[dict], member: str) -> tuple[bool, str | None, list[str]]:
     """The verdict's expectation as it was computed from every turn of the member (before
     wire_expectation read only what it needs): the reference the queries must equal."""

@@ -176,7 +176,7 @@ class ResidentMemory:
             while True:
                 if self._launch_queue[0] is ticket:
                     await self.refresh()
-                    plan = self.policy.plan(self.uses(), runtime, sum(self.reserved.values()))
+                    plan = self.policy.plan(self.uses(), runtime, sum(self.reserved.values()), now=time.monotonic())
                     if plan.fits:
                         self.reserved[key] = plan.need
                         if await self._retire(plan.retire, "launch") == len(plan.retire):

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from runner.member_locks import MemberLocks
-from runner.memory_budget import FLOOR_ESTIMATES, BudgetPolicy, ResidentUse
+from runner.memory_budget import FLOOR_ESTIMATES, RECENT_S, BudgetPolicy, ResidentUse
 from runner.resident_memory import ResidentMemory
 from runner.residents import Resident, ResidentPool
 from sandbox_manager.proc_memory import GroupMemory
@@ -47,6 +47,21 @@ def test_the_least_recently_used_idle_resident_makes_room() -> None:
     busy_a = [use("b", 300, 2), use("a", 300, 1, busy=True), use("c", 300, 3)]
     assert keys(policy.plan(busy_a, "codex")) == ["b"]  # never a resident in a turn
     assert keys(policy.plan(uses, "opencode")) == ["a", "b"]  # 620 MiB needs two of them
+
+
+def test_a_launch_leaves_a_resident_whose_turn_just_ended_alone_but_growth_does_not() -> None:
+    policy = BudgetPolicy(1000 * MiB)
+    now = 1000.0
+    uses = [use("old", 300, now - 60), use("just", 300, now - RECENT_S / 2), use("c", 300, now - 30)]
+    assert keys(policy.plan(uses, "codex", now=now)) == ["old"]
+    assert keys(policy.plan(uses, "opencode", now=now)) == ["old", "c"]  # 620 MiB: two, still not "just"
+    crowded = [use("just", 300, now - 0.1), use("also", 300, now - 1.0), use("c", 300, now - 30, busy=True)]
+    plan = policy.plan(crowded, "codex", now=now)
+    assert (keys(plan), plan.fits) == ([], False)  # the launch waits for the grace to pass
+    later = policy.plan(crowded, "codex", now=now + RECENT_S)
+    assert (keys(later), later.fits) == (["also"], True)
+    grown = [use("just", 600, now - 0.1), use("b", 500, now - 1, busy=True)]
+    assert keys(policy.plan(grown, None, now=now)) == ["just"]  # over the budget: taken back at once
 
 
 def test_nothing_is_retired_when_even_every_idle_one_would_not_make_room() -> None:

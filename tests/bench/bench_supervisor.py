@@ -3,8 +3,9 @@
     uv run python tests/bench/bench_supervisor.py [N] [--runtimes claude,codex,pi,opencode,kilo]
                                                   [--chats 16] [--rounds 3]
 
-One in-process daemon (uvicorn + the API client in this process), one loopback fixture, the
-pinned image. Per CLI:
+One in-process daemon (uvicorn in this process), its API client in a process of its own
+(tests/bench/api_client.py, as a host's clients are; ``--client inline`` puts it on the
+daemon's loop as before), one loopback fixture, the pinned image. Per CLI:
 
 1. LIVE: N turns through the daemon's job API (POST → receipt line) against N turns of a
    **bare** session: the same driver on its own attached exec in the same container, called
@@ -44,7 +45,8 @@ from images.build import ensure_image
 from runner.processes import member_paths, start_in_sandbox
 from runner.transport import exec_transport
 from runner.turn import TestHooks
-from tests.daemon_harness import daemon_settings, running_daemon
+from tests.bench.api_client import RemoteClient
+from tests.daemon_harness import TOKEN, daemon_settings, running_daemon
 from tests.support.store import rows
 
 RUNTIMES = ("claude", "codex", "pi", "opencode", "kilo")
@@ -117,9 +119,14 @@ class Bare:
 
 
 async def timed_job(d: Any, job: dict[str, Any]) -> tuple[float, dict[str, Any] | None, int | None, int]:
-    """(wall ms, receipt, perf_counter_ns when the client read the first event line, t0)."""
+    """(wall ms, receipt, perf_counter_ns when the client read the first event line, t0).
+    With ``d.remote`` (the default) the client is a process of its own (tests/bench/api_client.py)."""
     import json
 
+    remote = getattr(d, "remote", None)
+    if remote is not None:
+        r = await remote.job(job)
+        return (r["end"] - r["t0"]) / 1e6, r["receipt"], r["first"], r["t0"]
     t0 = time.perf_counter_ns()
     first = None
     receipt = None
@@ -276,8 +283,10 @@ async def main(args: argparse.Namespace) -> None:
     client = docker.from_env()
     with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
         settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
-        async with running_daemon(settings, hooks=hooks) as d:
+        async with running_daemon(settings, hooks=hooks) as d, anyio.create_task_group() as client_tg:
             sup = d.daemon.supervisor
+            if args.client == "process":
+                d.remote = await RemoteClient.start(d.url, TOKEN, client_tg)
             try:
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
@@ -288,6 +297,8 @@ async def main(args: argparse.Namespace) -> None:
                 create_mgr, create_raw = await bench_create(sup, image, max(3, args.n // 4))
                 create_load = load()
             finally:
+                if getattr(d, "remote", None) is not None:
+                    await d.remote.aclose()
                 for rec in rows(sup.store, "sandboxes"):
                     try:
                         client.api.remove_container(rec["container_id"], force=True)
@@ -347,4 +358,9 @@ if __name__ == "__main__":
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
     ap.add_argument("--chats", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    anyio.run(main, ap.parse_args())
+    ap.add_argument("--uvloop", action="store_true", help="run the daemon on uvloop (as `cloud-agent serve` does "
+                    "when uvloop is installed: uvicorn's loop=auto)")
+    ap.add_argument("--client", choices=("process", "inline"), default="process",
+                    help="the API client in a process of its own (as a host's clients are) or on the daemon's loop")
+    args = ap.parse_args()
+    anyio.run(main, args, backend_options={"use_uvloop": True} if args.uvloop else {})

@@ -1,0 +1,104 @@
+"""The benches' API client in a process of its own, as a host's clients are: the daemon's
+figures then carry none of the client's HTTP work on the daemon's event loop.
+
+    python tests/bench/api_client.py URL        (the service token in CLOUD_AGENT_BENCH_TOKEN)
+
+Reads ``{"id": N, "job": {...}}`` lines on stdin, POSTs each job (concurrently), and writes
+``{"id": N, "t0": ns, "first": ns | null, "end": ns, "receipt": {...}}`` lines on stdout;
+``t0``/``first``/``end`` are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux: the same
+clock in every process of the machine) at the send, the first event line and the receipt.
+:class:`RemoteClient` is the bench side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+from anyio.abc import Process
+
+
+async def serve(url: str, token: str) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = sys.stdout
+    tasks: set[asyncio.Task[None]] = set()
+    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {token}"},
+                                 timeout=httpx.Timeout(600, connect=10),
+                                 limits=httpx.Limits(max_connections=64)) as client:
+        async def one(cmd: dict[str, Any]) -> None:
+            t0, first, receipt = time.perf_counter_ns(), None, None
+            async with client.stream("POST", "/v1/jobs", json=cmd["job"]) as resp:
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    if first is None and line.startswith('{"type": "event"'):
+                        first = time.perf_counter_ns()
+                    ev = json.loads(line)
+                    if ev.get("type") == "receipt":
+                        receipt = ev["receipt"]
+            end = time.perf_counter_ns()
+            out.write(json.dumps({"id": cmd["id"], "t0": t0, "first": first, "end": end, "receipt": receipt}) + "\n")
+            out.flush()
+
+        while line := await reader.readline():
+            task = asyncio.create_task(one(json.loads(line)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+
+
+class RemoteClient:
+    """The bench's handle on an ``api_client.py`` process."""
+
+    def __init__(self, proc: Process) -> None:
+        self.proc = proc
+        self._next = 0
+        self._waiting: dict[int, tuple[anyio.Event, list[dict[str, Any]]]] = {}
+
+    @classmethod
+    async def start(cls, url: str, token: str, tg: Any) -> RemoteClient:
+        proc = await anyio.open_process([sys.executable, str(Path(__file__).resolve()), url],
+                                        env=dict(os.environ, CLOUD_AGENT_BENCH_TOKEN=token))
+        client = cls(proc)
+        tg.start_soon(client._read)
+        return client
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        buf = b""
+        async for data in self.proc.stdout:
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                result = json.loads(line)
+                ev, box = self._waiting.pop(result["id"])
+                box.append(result)
+                ev.set()
+
+    async def job(self, job: dict[str, Any]) -> dict[str, Any]:
+        self._next += 1
+        ev, box = anyio.Event(), []
+        self._waiting[self._next] = (ev, box)
+        assert self.proc.stdin is not None
+        await self.proc.stdin.send((json.dumps({"id": self._next, "job": job}) + "\n").encode())
+        await ev.wait()
+        return box[0]
+
+    async def aclose(self) -> None:
+        assert self.proc.stdin is not None
+        await self.proc.stdin.aclose()
+        await self.proc.wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(sys.argv[1], os.environ["CLOUD_AGENT_BENCH_TOKEN"]))

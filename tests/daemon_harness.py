@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ import httpx
 import uvicorn
 
 from runner.config import Settings, load_settings
+from runner.proxy_client import stop_service
+from runner.proxy_protocol import ServicePaths
 from runner.serve import Daemon, build_daemon
 from runner.turn import TestHooks
 
@@ -37,6 +40,16 @@ def free_port() -> int:
 # Host ids of the daemons this test process started: the module teardown in conftest.py
 # removes their sandboxes (and never another process's, on a shared engine).
 TEST_HOST_IDS: set[str] = set()
+# Homes of the daemons this test process started: the session's end stops any model proxy
+# service of theirs still running (tests/support/proxy_services.py).
+TEST_HOMES: set[Path] = set()
+
+
+def stop_proxy_service(home: Path) -> None:
+    """A daemon's model proxy service outlives it by design (SPEC 14); a test's must not.
+    Blocking (a thread of its own: the caller may be inside an event loop)."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(anyio.run, stop_service, ServicePaths(home)).result(timeout=120)
 
 
 def test_host_id(home: Path) -> str:
@@ -59,6 +72,7 @@ def daemon_settings(home: Path, gateway_url: str, image: str, **overrides: Any) 
            "CLOUD_AGENT_HOST_ID": test_host_id(home)}
     settings = load_settings(env, **overrides)
     TEST_HOST_IDS.add(settings.resolved_host_id())
+    TEST_HOMES.add(settings.home)
     return settings
 
 
@@ -100,6 +114,9 @@ async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None) 
                 yield RunningDaemon(daemon=daemon, url=url, client=client)
             finally:
                 server.should_exit = True
+    TEST_HOMES.add(settings.home)
+    with anyio.CancelScope(shield=True):
+        await stop_service(ServicePaths(settings.home))  # the daemon is gone: nothing needs it
 
 
 @dataclass
@@ -109,11 +126,13 @@ class DaemonProcess:
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    killed: bool = False  # by kill -9: its model proxy service is left for the next daemon
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def kill9(self) -> None:
+        self.killed = True
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
@@ -131,9 +150,13 @@ class DaemonProcess:
 def serve_process(env: dict[str, str], port: int, log_path: Path, *,
                   cwd: Path | None = None, argv: list[str] | None = None) -> Iterator[DaemonProcess]:
     """Run the daemon with exactly ``env`` on ``port``; yield once /healthz answers (60 s at
-    most), terminate it at the end."""
+    most), terminate it at the end, and stop its model proxy service unless it was killed with
+    ``kill -9`` (a restart test's next daemon attaches to that service)."""
     if env.get("CLOUD_AGENT_HOST_ID"):
         TEST_HOST_IDS.add(env["CLOUD_AGENT_HOST_ID"])
+    home = Path(env["CLOUD_AGENT_HOME"]) if env.get("CLOUD_AGENT_HOME") else None
+    if home is not None:
+        TEST_HOMES.add(home)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv or [sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
                                 cwd=cwd, start_new_session=True)
@@ -152,6 +175,8 @@ def serve_process(env: dict[str, str], port: int, log_path: Path, *,
         yield dp
     finally:
         dp.terminate()
+        if home is not None and not dp.killed:
+            stop_proxy_service(home)
 
 
 @contextmanager

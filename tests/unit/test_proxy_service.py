@@ -1,0 +1,190 @@
+"""The model proxy service as a real process (runner/proxy_service.py, runner/proxy_client.py):
+started detached from the daemon, attached again, replaced when its configuration or its code
+changed, lingering out with no daemon, stopped on request, re-attached (the daemon's view sent
+again) after it died."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy import ProxyConfig
+from runner.model_proxy import ModelProxy, ProxyOps
+from runner.proxy_client import ProxyServiceClient, ensure_service, stop_service
+from runner.proxy_control import ControlServer
+from runner.proxy_link import linked
+from runner.proxy_protocol import BUILD_SOURCES, PROJECT_ROOT, HelloResult, ServiceConfig, build_id
+from state.store import Store
+from tests.support.proxy_harness import key_file
+from tests.support.proxy_services import end_strays, services
+
+pytestmark = pytest.mark.anyio
+BUILD = build_id()
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    home = tmp_path / "home"
+    home.mkdir()
+    yield home
+    assert end_strays({home}, None) == [], "a test left its service running"
+
+
+@pytest.fixture
+def sockets() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ca-ps-", dir="/tmp"))  # a tmp_path is too long for a socket address
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def config(home: Path, linger_s: float = 60.0) -> ServiceConfig:
+    return ServiceConfig(home=home, proxy=ProxyConfig(upstream_url="http://127.0.0.1:9", key_file=key_file(home)),
+                         store_path=home / "store.db", linger_s=linger_s)
+
+
+async def hello(cfg: ServiceConfig) -> HelloResult:
+    async with linked(cfg.paths.control) as link:
+        return await link.hello("operator")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_it_starts_detached_is_attached_again_and_stops(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLOUD_AGENT_GATEWAY_KEY_FILE", "/run/not-for-the-service")
+    cfg = config(home)
+    assert await ensure_service(cfg, BUILD) == "spawned"
+    first = await hello(cfg)
+    pid = first.pid
+    assert (first.build_id, first.config_digest, first.daemons, first.sandboxes) == (BUILD, cfg.digest(), 0, 0)
+    # its own session, not this process's child: the daemon's SIGTERM or kill -9 does not reach it
+    assert os.getsid(pid) == pid != os.getsid(0)
+    assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) != os.getpid()
+    assert services() == {pid: home}
+    assert (cfg.paths.pid.read_text(), oct(cfg.paths.directory.stat().st_mode & 0o777),
+            oct(cfg.paths.control.stat().st_mode & 0o777)) == (f"{pid}\n", "0o700", "0o600")
+    # its configuration came on stdin: not in its arguments, nor any CLOUD_AGENT_* of the daemon's
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[1:] == [b"-m", b"runner.proxy_service", b"--home", str(home).encode(), b""]
+    assert b"CLOUD_AGENT_" not in Path(f"/proc/{pid}/environ").read_bytes()
+    assert await ensure_service(cfg, BUILD) == "attached"
+    assert (await hello(cfg)).pid == pid
+    assert await stop_service(cfg.paths) == pid
+    assert not alive(pid) and not cfg.paths.control.exists() and not cfg.paths.pid.exists()
+    assert await stop_service(cfg.paths) is None  # none runs: nothing to stop
+    log = cfg.paths.log.read_text()
+    assert '"event": "proxy_service.stop_requested"' in log and '"reason": "stop"' in log
+
+
+async def test_another_configuration_replaces_it(home: Path) -> None:
+    assert await ensure_service(config(home, linger_s=60.0), BUILD) == "spawned"
+    old = (await hello(config(home))).pid
+    cfg = config(home, linger_s=61.0)  # e.g. the embedded fixture came back on another port
+    assert await ensure_service(cfg, BUILD) == "replaced"
+    new = await hello(cfg)
+    assert new.pid != old and not alive(old) and new.config_digest == cfg.digest()
+    await stop_service(cfg.paths)
+
+
+async def test_another_build_is_replaced(home: Path) -> None:
+    """A service of an older build (here one in this process, claiming another build id) is
+    stopped, and one running this build takes its place."""
+    cfg = config(home)
+    store = Store(cfg.store_path)
+    registry = CollectorRegistry()
+    outcome: list[str] = []
+    try:
+        async with anyio.create_task_group() as tg, ModelProxy(cfg.proxy, store, registry=registry) as proxy:
+            async def older() -> None:
+                outcome.append(await ControlServer(cfg, proxy, build_id="an-older-build", registry=registry).serve())
+
+            tg.start_soon(older)
+            with anyio.fail_after(10):
+                while not cfg.paths.control.exists():
+                    await anyio.sleep(0.01)
+            assert (await hello(cfg)).build_id == "an-older-build"
+            assert await ensure_service(cfg, BUILD) == "replaced"
+        assert outcome == ["stop"]
+        current = await hello(cfg)
+        assert (current.build_id, current.pid != os.getpid()) == (BUILD, True)
+    finally:
+        store.close()
+    await stop_service(cfg.paths)
+
+
+async def test_it_lingers_out_with_no_daemon_attached(home: Path) -> None:
+    cfg = config(home, linger_s=0.5)
+    await ensure_service(cfg, BUILD)
+    pid = (await hello(cfg)).pid
+    with anyio.fail_after(15):
+        while alive(pid):
+            await anyio.sleep(0.05)
+    assert '"event": "proxy_service.lingered_out"' in cfg.paths.log.read_text()
+    assert not cfg.paths.control.exists()
+
+
+async def test_a_daemon_attaches_again_and_resends_its_view_after_the_service_died(home: Path,
+                                                                                  sockets: Path) -> None:
+    cfg = config(home)
+    replays: list[int] = []
+
+    async def replay(ops: ProxyOps) -> None:  # what ModelPath sends: the sockets it opened
+        replays.append(1)
+        if len(replays) > 1:
+            await ops.open("ca-chat-a", "u1", "c1", sockets / "a")
+
+    client = ProxyServiceClient(cfg, replay=replay)
+    async with anyio.create_task_group() as tg:
+        await tg.start(client.run)
+        path = await client.open("ca-chat-a", "u1", "c1", sockets / "a")
+        assert client.service is not None
+        dead = client.service.pid
+        os.kill(dead, signal.SIGKILL)
+        with anyio.fail_after(30):
+            while client.service is None or client.service.pid == dead:
+                await anyio.sleep(0.05)
+        again = await hello(cfg)
+        assert (len(replays), again.daemons, again.sandboxes) == (2, 1, 1)
+        assert path.exists()  # at the same path, in the new service
+        await client.flush("ca-chat-a", 1.0)
+        tg.cancel_scope.cancel()
+    assert (await hello(cfg)).daemons == 0  # this "daemon" left; the service serves on
+    await stop_service(cfg.paths)
+
+
+def test_the_build_id_covers_every_file_the_service_runs(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", "import sys, runner.proxy_service\n"
+                          "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) "
+                          "if getattr(m, '__file__', None)))"],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    ours = sorted({Path(f).resolve().relative_to(PROJECT_ROOT) for f in out
+                   if Path(f).resolve().is_relative_to(PROJECT_ROOT) and ".venv" not in Path(f).parts})
+    uncovered = [str(p) for p in ours if not any(str(p) == s or p.parts[0] == s for s in BUILD_SOURCES)]
+    assert ours and uncovered == []
+    # a change to one of them is another build
+    copy = tmp_path / "copy"
+    for name in BUILD_SOURCES:
+        src = PROJECT_ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, copy / name)
+    assert build_id(copy) == BUILD
+    with (copy / "proxy" / "exchange.py").open("a") as fh:
+        fh.write("# changed\n")
+    assert build_id(copy) != BUILD

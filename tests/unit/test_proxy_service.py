@@ -1,7 +1,7 @@
 """The model proxy service as a real process (runner/proxy_service.py, runner/proxy_client.py):
 started detached from the daemon, attached again, replaced when its configuration or its code
 changed, lingering out with no daemon, stopped on request, re-attached (the daemon's view sent
-again) after it died."""
+again) after it died, and left serving by a daemon that shuts down."""
 
 from __future__ import annotations
 
@@ -19,12 +19,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy import ProxyConfig
+from runner.config import load_settings
+from runner.model_path import ModelPath
 from runner.model_proxy import ModelProxy, ProxyOps
 from runner.proxy_client import ProxyServiceClient, ensure_service, stop_service
 from runner.proxy_control import ControlServer
 from runner.proxy_link import linked
 from runner.proxy_protocol import BUILD_SOURCES, PROJECT_ROOT, HelloResult, ServiceConfig, build_id
+from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sandboxes import SandboxManager
 from state.store import Store
+from tests.support.fake_engine import IMAGE, FakeEngine
 from tests.support.proxy_harness import key_file
 from tests.support.proxy_services import end_strays, services
 
@@ -163,6 +168,26 @@ async def test_a_daemon_attaches_again_and_resends_its_view_after_the_service_di
         await client.flush("ca-chat-a", 1.0)
         tg.cancel_scope.cancel()
     assert (await hello(cfg)).daemons == 0  # this "daemon" left; the service serves on
+    await stop_service(cfg.paths)
+
+
+async def test_a_daemon_that_shuts_down_leaves_the_service_serving(home: Path, sockets: Path) -> None:
+    settings = load_settings({"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_SOCKET_DIR": str(sockets)})
+    store = Store(settings.store_path)
+    manager = SandboxManager(FakeEngine(), store, SandboxConfig(image=IMAGE, socket_root=str(sockets)))  # type: ignore[arg-type]
+    path = ModelPath(settings, "http://127.0.0.1:9", store, manager)
+    try:
+        async with path.running():
+            socket = await path.open("u1", "c1")
+            serving = await hello(ServiceConfig(home=home, proxy=path.config, store_path=settings.store_path,
+                                                linger_s=settings.proxy_linger_s))
+            assert (serving.daemons, serving.sandboxes) == (1, 1)
+        cfg = ServiceConfig(home=home, proxy=path.config, store_path=settings.store_path,
+                            linger_s=settings.proxy_linger_s)
+        after = await hello(cfg)
+        assert (after.pid, after.daemons, after.sandboxes) == (serving.pid, 0, 1) and socket.exists()
+    finally:
+        store.close()
     await stop_service(cfg.paths)
 
 

@@ -126,13 +126,11 @@ class DaemonProcess:
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
-    killed: bool = False  # by kill -9: its model proxy service is left for the next daemon
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def kill9(self) -> None:
-        self.killed = True
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
@@ -150,8 +148,8 @@ class DaemonProcess:
 def serve_process(env: dict[str, str], port: int, log_path: Path, *,
                   cwd: Path | None = None, argv: list[str] | None = None) -> Iterator[DaemonProcess]:
     """Run the daemon with exactly ``env`` on ``port``; yield once /healthz answers (60 s at
-    most), terminate it at the end, and stop its model proxy service unless it was killed with
-    ``kill -9`` (a restart test's next daemon attaches to that service)."""
+    most), terminate it at the end and stop its model proxy service — unless the test ended the
+    daemon itself (``kill -9``, SIGTERM): a restart test's next daemon attaches to that service."""
     if env.get("CLOUD_AGENT_HOST_ID"):
         TEST_HOST_IDS.add(env["CLOUD_AGENT_HOST_ID"])
     home = Path(env["CLOUD_AGENT_HOME"]) if env.get("CLOUD_AGENT_HOME") else None
@@ -174,8 +172,9 @@ def serve_process(env: dict[str, str], port: int, log_path: Path, *,
             time.sleep(0.1)
         yield dp
     finally:
+        ended_by_the_test = proc.poll() is not None
         dp.terminate()
-        if home is not None and not dp.killed:
+        if home is not None and not ended_by_the_test:
             stop_proxy_service(home)
 
 

@@ -117,15 +117,20 @@ class ModelPath:
                     self._ops = None
             return
         client = ProxyServiceClient(service_config(self.settings, self.config), replay=self._replay)
+        failure: Exception | None = None
         async with anyio.create_task_group() as tg:
-            await tg.start(client.run)
-            self._ops, self._client = client, client
             try:
+                await tg.start(client.run)  # attached: the service answers, started if it did not
+                self._ops, self._client = client, client
                 await self._reopen()
                 yield self
+            except Exception as exc:  # raised below, as itself (the task group would wrap it in a group)
+                failure = exc
             finally:
                 self._ops = self._client = None
                 tg.cancel_scope.cancel()  # our connection ends; the service serves on
+        if failure is not None:
+            raise failure
 
     async def _reopen(self) -> None:
         """SPEC 14: the sockets of this host's running sandboxes are open (again: the service

@@ -1,7 +1,8 @@
 """The model proxy service as a real process (runner/proxy_service.py, runner/proxy_client.py):
 started detached from the daemon, attached again, replaced when its configuration or its code
 changed, lingering out with no daemon, stopped on request, re-attached (the daemon's view sent
-again) after it died, and left serving by a daemon that shuts down."""
+again) after it died, and left serving by a daemon that shuts down; a daemon whose service
+cannot start does not start."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from proxy import ProxyConfig
 from runner.config import load_settings
 from runner.model_path import ModelPath
 from runner.model_proxy import ModelProxy, ProxyOps
-from runner.proxy_client import ProxyServiceClient, ensure_service, stop_service
+from runner.proxy_client import ProxyServiceClient, ProxyServiceUnavailable, ensure_service, stop_service
 from runner.proxy_control import ControlServer
 from runner.proxy_link import linked
 from runner.proxy_protocol import BUILD_SOURCES, PROJECT_ROOT, HelloResult, ServiceConfig, build_id
@@ -189,6 +190,19 @@ async def test_a_daemon_that_shuts_down_leaves_the_service_serving(home: Path, s
     finally:
         store.close()
     await stop_service(cfg.paths)
+
+
+async def test_a_daemon_whose_service_cannot_start_does_not_start(home: Path, sockets: Path) -> None:
+    (home / "proxy").write_text("in the way of the service's directory\n")
+    settings = load_settings({"CLOUD_AGENT_HOME": str(home), "CLOUD_AGENT_SOCKET_DIR": str(sockets)})
+    store = Store(settings.store_path)
+    manager = SandboxManager(FakeEngine(), store, SandboxConfig(image=IMAGE, socket_root=str(sockets)))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ProxyServiceUnavailable, match=r"the model proxy service: .*File exists: '.*/proxy'"):
+            async with ModelPath(settings, "http://127.0.0.1:9", store, manager).running():
+                pytest.fail("the model path runs without its proxy")
+    finally:
+        store.close()
 
 
 def test_the_build_id_covers_every_file_the_service_runs(tmp_path: Path) -> None:

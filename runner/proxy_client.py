@@ -148,6 +148,15 @@ async def ensure_service(config: ServiceConfig, build: str) -> str:
     return how
 
 
+async def service_status(paths: ServicePaths) -> HelloResult | None:
+    """What the service of a home says about itself; None when none answers."""
+    try:
+        async with linked(paths.control) as link:
+            return await link.hello("operator")
+    except OSError:
+        return None
+
+
 async def stop_service(paths: ServicePaths, *, drain_s: float = 0.0, timeout_s: float = 30.0) -> int | None:
     """Stop the service of a home and wait until it is gone; its pid, or None when none ran."""
     try:

@@ -102,21 +102,23 @@ async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None) 
     config = uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None, access_log=False,
                             lifespan="on")
     server = uvicorn.Server(config)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(server.serve)
-        with anyio.fail_after(60):
-            while not server.started:
-                await anyio.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {TOKEN}"},
-                                     timeout=httpx.Timeout(600, connect=10)) as client:
-            try:
-                yield RunningDaemon(daemon=daemon, url=url, client=client)
-            finally:
-                server.should_exit = True
     TEST_HOMES.add(settings.home)
-    with anyio.CancelScope(shield=True):
-        await stop_service(ServicePaths(settings.home))  # the daemon is gone: nothing needs it
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve)
+            with anyio.fail_after(60):
+                while not server.started:
+                    await anyio.sleep(0.05)
+            url = f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {TOKEN}"},
+                                         timeout=httpx.Timeout(600, connect=10)) as client:
+                try:
+                    yield RunningDaemon(daemon=daemon, url=url, client=client)
+                finally:
+                    server.should_exit = True
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stop_service(ServicePaths(settings.home))  # the daemon is gone: nothing needs it
 
 
 @dataclass

@@ -6,6 +6,7 @@ cannot start does not start."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -203,6 +204,23 @@ async def test_a_daemon_whose_service_cannot_start_does_not_start(home: Path, so
                 pytest.fail("the model path runs without its proxy")
     finally:
         store.close()
+
+
+def test_an_operator_sees_and_stops_the_service(home: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from runner.cli import main
+
+    monkeypatch.setenv("CLOUD_AGENT_HOME", str(home))
+    assert main(["proxy-service", "status"]) == 1
+    assert capsys.readouterr().err == f"no model proxy service answers at {home}/proxy/control.sock\n"
+    cfg = config(home)
+    assert anyio.run(ensure_service, cfg, BUILD) == "spawned"
+    assert main(["proxy-service", "status"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["build_id"], status["daemons"], status["in_flight"], status["sandboxes"]) == (BUILD, 0, 0, 0)
+    assert main(["proxy-service", "stop"]) == 0
+    assert capsys.readouterr().out == f"stopped the model proxy service (pid {status['pid']})\n"
+    assert not alive(status["pid"])
 
 
 def test_the_build_id_covers_every_file_the_service_runs(tmp_path: Path) -> None:

@@ -34,7 +34,6 @@ START_TIMEOUT_S = 30.0  # a new service answers hello within this
 REPLACE_DRAIN_S = 5.0  # a replaced service's exchanges in flight get this long
 LINK_WAIT_S = 30.0  # a request waits this long for a lost connection to come back
 RETRY_S = 1.0
-LOG_KEEP_BYTES = 64 << 20  # the service's log is rotated (one old generation) when it starts past this
 
 
 class ProxyServiceUnavailable(RuntimeError):
@@ -44,24 +43,15 @@ class ProxyServiceUnavailable(RuntimeError):
 # -- starting, replacing, stopping ----------------------------------------------------------------
 
 
-def _rotate(log_path: Path) -> None:
-    try:
-        if log_path.stat().st_size > LOG_KEEP_BYTES:
-            log_path.replace(log_path.with_name(log_path.name + ".1"))
-    except FileNotFoundError:
-        pass
-
-
 def spawn_blocking(config: ServiceConfig) -> None:
     """Start the service detached; its configuration goes on its stdin (the store URL may
     hold a password: never a command-line argument). Returns once the launcher has forked."""
     paths = config.paths
     paths.prepare()
-    _rotate(paths.log)
     # the configuration comes on stdin alone: no CLOUD_AGENT_* setting of the daemon's leaks in
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLOUD_AGENT_")}
     argv = [sys.executable, "-m", "runner.proxy_service", "--home", str(config.home)]
-    with open(paths.log, "ab") as out:
+    with open(os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=PROJECT_ROOT, env=env,
                                 start_new_session=True)
     try:

@@ -5,7 +5,8 @@ The daemon starts it (``runner.proxy_client``) with its configuration on stdin; 
 ends it: a reply streaming to a sandbox when the daemon dies reaches its CLI whole, and the
 next daemon attaches to the same service. It holds ``HOME/proxy/service.lock`` while it lives
 (one service per home), writes its pid beside it and logs JSON lines to
-``HOME/proxy/service.log``. ``--foreground`` keeps it attached (for a process manager).
+``HOME/proxy/service.log`` (rotated past 64 MiB). ``--foreground`` keeps it attached, its
+output left to whoever started it (a process manager).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import fcntl
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -31,17 +33,48 @@ log = structlog.get_logger("proxy_service")
 
 EXIT_ALREADY_RUNNING = 3
 LOCK_WAIT_S = 30.0  # a replaced service may still be closing its sandboxes
+LOG_KEEP_BYTES = 64 << 20  # past this the log is rotated (one old generation, service.log.1)
+LOG_CHECK_S = 60.0
 
 
-async def run_service(config: ServiceConfig) -> str:
-    """Serve until stopped; returns why."""
+def rotate_log(path: Path, fds: tuple[int, ...], limit: int = LOG_KEEP_BYTES) -> bool:
+    """When the log at ``path`` — the file ``fds`` write to — is over ``limit``: move it to
+    ``<path>.1`` and point ``fds`` at a new file. Blocking."""
+    try:
+        on_disk = path.stat()
+    except FileNotFoundError:
+        return False
+    ours = all((os.fstat(fd).st_dev, os.fstat(fd).st_ino) == (on_disk.st_dev, on_disk.st_ino) for fd in fds)
+    if not fds or not ours or on_disk.st_size <= limit:
+        return False  # e.g. --foreground under a process manager: its output is not ours to move
+    path.replace(path.with_name(path.name + ".1"))
+    fresh = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for fd in fds:
+        os.dup2(fresh, fd)
+    os.close(fresh)
+    return True
+
+
+async def keep_log_bounded(path: Path, fds: tuple[int, ...]) -> None:
+    while True:
+        if await anyio.to_thread.run_sync(rotate_log, path, fds):
+            log.info("proxy_service.log_rotated", previous=str(path.with_name(path.name + ".1")))
+        await anyio.sleep(LOG_CHECK_S)
+
+
+async def run_service(config: ServiceConfig, *, log_fds: tuple[int, ...] = ()) -> str:
+    """Serve until stopped; returns why. ``log_fds`` write to the service's log, which is
+    kept under ``LOG_KEEP_BYTES``."""
     build = await anyio.to_thread.run_sync(build_id)
     store = open_store(config.store_url.get_secret_value() if config.store_url else None, config.store_path)
     await store.open()
     registry = CollectorRegistry()  # the proxy's counters; the daemon's /metrics relays them
     try:
-        async with ModelProxy(config.proxy, store, registry=registry) as proxy:
-            return await ControlServer(config, proxy, build_id=build, registry=registry).serve()
+        async with ModelProxy(config.proxy, store, registry=registry) as proxy, anyio.create_task_group() as tg:
+            tg.start_soon(keep_log_bounded, config.paths.log, log_fds)
+            reason = await ControlServer(config, proxy, build_id=build, registry=registry).serve()
+            tg.cancel_scope.cancel()
+            return reason
     finally:
         with anyio.CancelScope(shield=True):
             await store.aclose()
@@ -96,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.pid.write_text(f"{os.getpid()}\n")
         log.info("proxy_service.started", pid=os.getpid(), home=str(config.home))
-        reason = anyio.run(run_service, config)
+        reason = anyio.run(partial(run_service, config, log_fds=() if args.foreground else (1, 2)))
         log.info("proxy_service.stopped", reason=reason)
         return 0
     except Exception:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry
 
 from proxy import ProxyConfig
@@ -28,6 +29,7 @@ from runner.proxy_client import ProxyServiceClient, ProxyServiceUnavailable, ens
 from runner.proxy_control import ControlServer
 from runner.proxy_link import linked
 from runner.proxy_protocol import BUILD_SOURCES, PROJECT_ROOT, HelloResult, ServiceConfig, build_id
+from runner.proxy_service import rotate_log
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sandboxes import SandboxManager
 from state.store import Store
@@ -206,7 +208,15 @@ async def test_a_daemon_whose_service_cannot_start_does_not_start(home: Path, so
         store.close()
 
 
-def test_an_operator_sees_and_stops_the_service(home: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.fixture
+def logging_restored() -> Iterator[None]:
+    """runner.cli.main configures structlog onto this test's captured stderr: put it back."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def test_an_operator_sees_and_stops_the_service(home: Path, monkeypatch: pytest.MonkeyPatch, logging_restored: None,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     from runner.cli import main
 
@@ -221,6 +231,23 @@ def test_an_operator_sees_and_stops_the_service(home: Path, monkeypatch: pytest.
     assert main(["proxy-service", "stop"]) == 0
     assert capsys.readouterr().out == f"stopped the model proxy service (pid {status['pid']})\n"
     assert not alive(status["pid"])
+
+
+def test_its_log_is_rotated_past_the_limit_and_only_its_own(tmp_path: Path) -> None:
+    log, other = tmp_path / "service.log", tmp_path / "elsewhere.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    foreign = os.open(other, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, b"x" * 100)
+        assert not rotate_log(log, (fd,), limit=100)  # not over it yet
+        assert not rotate_log(log, (foreign,), limit=10)  # its output goes elsewhere (a process manager's)
+        assert rotate_log(log, (fd,), limit=10)
+        os.write(fd, b"after\n")
+        assert ((tmp_path / "service.log.1").read_bytes(), log.read_bytes()) == (b"x" * 100, b"after\n")
+        assert oct(log.stat().st_mode & 0o777) == "0o600"
+    finally:
+        os.close(fd)
+        os.close(foreign)
 
 
 def test_the_build_id_covers_every_file_the_service_runs(tmp_path: Path) -> None:

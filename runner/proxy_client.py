@@ -22,6 +22,7 @@ from typing import TypeVar
 import anyio
 import structlog
 from anyio.abc import TaskStatus
+from pydantic import ValidationError
 
 from runner.model_proxy import ProxyOps
 from runner.proxy_link import LinkClosed, LinkOps, ProxyServiceError, linked
@@ -118,11 +119,15 @@ async def ensure_service(config: ServiceConfig, build: str) -> str:
     paths = config.paths
     try:
         async with linked(paths.control) as link:
-            hello = await link.hello("operator")
-            if (hello.build_id, hello.config_digest) == (build, config.digest()):
+            try:
+                hello: HelloResult | None = await link.hello("operator")
+            except ValidationError:  # a hello this build cannot read: another build's
+                hello = None
+            if hello is not None and (hello.build_id, hello.config_digest) == (build, config.digest()):
                 return "attached"
-            log.info("proxy_service.replacing", pid=hello.pid, build_id=hello.build_id, wanted_build_id=build,
-                     config_changed=hello.config_digest != config.digest(), in_flight=hello.in_flight)
+            log.info("proxy_service.replacing", pid=hello.pid if hello else None,
+                     build_id=hello.build_id if hello else None, wanted_build_id=build,
+                     config_changed=hello is not None and hello.config_digest != config.digest())
             await link.stop(REPLACE_DRAIN_S)
     except OSError:
         how = "spawned"  # nothing listens (no socket, or a dead service's file)
@@ -196,7 +201,7 @@ class ProxyServiceClient:
                         task_status.started()
                     await link.closed.wait()
                     log.warning("proxy_service.connection_lost", pid=hello.pid)
-            except (OSError, LinkClosed, TimeoutError, ProxyServiceError, ProxyServiceUnavailable) as exc:
+            except Exception as exc:  # noqa: BLE001 - the model path stays up: attach again (a start fails)
                 failures += 1
                 if not started and failures >= 3:
                     raise ProxyServiceUnavailable(f"the model proxy service: {exc}") from exc

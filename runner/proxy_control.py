@@ -97,7 +97,8 @@ class ControlServer:
                 tg.cancel_scope.cancel()
         finally:
             listener.close()
-            await anyio.to_thread.run_sync(lambda: paths.control.unlink(missing_ok=True))
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(lambda: paths.control.unlink(missing_ok=True))
         with anyio.move_on_after(self._drain_s):
             while self.proxy.in_flight():
                 await anyio.sleep(0.05)

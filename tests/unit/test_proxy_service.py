@@ -19,9 +19,11 @@ from pathlib import Path
 import anyio
 import pytest
 import structlog
+from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client import CollectorRegistry
 
 from proxy import ProxyConfig
+from proxy.sockets import UnixListener
 from runner.config import load_settings
 from runner.model_path import ModelPath
 from runner.model_proxy import ModelProxy, ProxyOps
@@ -132,6 +134,39 @@ async def test_another_build_is_replaced(home: Path) -> None:
         assert (current.build_id, current.pid != os.getpid()) == (BUILD, True)
     finally:
         store.close()
+    await stop_service(cfg.paths)
+
+
+async def test_a_service_whose_hello_this_build_cannot_read_is_replaced(home: Path) -> None:
+    """An older service's hello may not parse here: it is asked to stop all the same."""
+    cfg = config(home)
+    cfg.paths.prepare()
+    listener = UnixListener(cfg.paths.control, 0o600)
+    asked: list[str] = []
+
+    async def ancient() -> None:
+        while True:
+            stream = await listener.accept()
+            buffered = BufferedByteReceiveStream(stream)
+            try:
+                while True:
+                    line = json.loads(await buffered.receive_until(b"\n", 65536))
+                    asked.append(line["request"]["op"])
+                    result = {"version": 1} if line["request"]["op"] == "hello" else {}
+                    await stream.send(json.dumps({"id": line["id"], "ok": True, "result": result}).encode() + b"\n")
+                    if line["request"]["op"] == "stop":
+                        listener.close()
+                        return
+            except anyio.IncompleteRead:
+                pass
+            finally:
+                await stream.aclose()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ancient)
+        assert await ensure_service(cfg, BUILD) == "replaced"
+    assert asked == ["hello", "stop"]
+    assert (await hello(cfg)).build_id == BUILD
     await stop_service(cfg.paths)
 
 

@@ -12,7 +12,7 @@ from .digest import TextMessage, strip_annotations, text_messages
 from .exchange import TurnLookup
 from .host import SOCKET_NAME, ProxyHost
 from .keys import KeySource, KeyUnavailable, placeholder_key
-from .metrics import ProxyMetrics
+from .metrics import ProxyMetrics, VerdictMetrics
 from .records import CapturedMessage, DigestEntry, WireRecord, WireSink, digest_of
 from .routes import ROUTES, Route, member_base_url
 from .verdict import (
@@ -29,6 +29,6 @@ from .verdict import (
 __all__ = [
     "ROUTES", "SOCKET_NAME", "TOLERANCES", "Baseline", "CapturedMessage", "DigestEntry", "FirstDifference", "Kind",
     "KeySource", "KeyUnavailable", "ProxyConfig", "ProxyHost", "ProxyMetrics", "Route", "TextMessage", "Tolerance",
-    "TurnLookup", "WireRecord", "WireSink", "WireVerdict", "baseline_after", "classify", "digest_of",
+    "TurnLookup", "VerdictMetrics", "WireRecord", "WireSink", "WireVerdict", "baseline_after", "classify", "digest_of",
     "member_base_url", "placeholder_key", "strip_annotations", "text_messages", "tolerances_for", "wire_verdict",
 ]

@@ -111,6 +111,13 @@ class ProxyHost:
     def is_open(self, chat_key: str) -> bool:
         return chat_key in self._sandboxes
 
+    def open_sandboxes(self) -> int:
+        return len(self._sandboxes)
+
+    def in_flight(self) -> int:
+        """Exchanges of every sandbox between request head and record in the sink."""
+        return sum(sb.busy for sb in self._sandboxes.values())
+
     async def open_sandbox(self, chat_key: str, directory: Path, *, user_id: str) -> Path:
         """Listen on ``directory/model.sock`` for ``chat_key``; returns the socket path.
         Idempotent for the same directory; a stale socket file left by an earlier process

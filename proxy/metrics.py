@@ -1,4 +1,9 @@
-"""The proxy's Prometheus metrics, on a registry the daemon exposes with its own."""
+"""The proxy's Prometheus metrics.
+
+``ProxyMetrics`` counts what the proxy answers; it lives where the :class:`ProxyHost` runs (the
+proxy service's process, or the daemon's). ``VerdictMetrics`` counts the wire verdicts, which
+the daemon computes when it settles a turn, on the daemon's own registry.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +22,13 @@ class ProxyMetrics:
                                 ["reason"], registry=self.registry)
         self.bytes = Counter("cloud_agent_proxy_body_bytes", "Body bytes through the proxy",
                              ["direction"], registry=self.registry)
+
+
+class VerdictMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
         self.verdicts = Counter("cloud_agent_wire_verdicts", "Wire verdicts of settled turns",
                                 ["runtime", "history"], registry=self.registry)
 
-    def observe_verdict(self, runtime: str, history: str) -> None:
+    def observe(self, runtime: str, history: str) -> None:
         self.verdicts.labels(runtime=runtime, history=history).inc()

@@ -104,3 +104,16 @@ class UnixListener:
 
     def close(self) -> None:
         self._sock.close()
+
+
+async def connect_unix(path: Path, send_timeout_s: float = 120.0) -> SocketStream:
+    """A stream connected to the listening unix socket at ``path`` (``OSError`` when nothing
+    listens there: ``FileNotFoundError``, ``ConnectionRefusedError``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, str(path))
+    except BaseException:
+        sock.close()
+        raise
+    return SocketStream(sock, send_timeout_s)

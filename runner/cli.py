@@ -66,6 +66,27 @@ def cmd_run(args: argparse.Namespace, client: Any) -> int:
     return EXIT_CODES[Outcome(receipt["outcome"])]
 
 
+def cmd_proxy_service(args: argparse.Namespace) -> int:
+    """Local, like serve: the service's control socket under CLOUD_AGENT_HOME (SPEC 14)."""
+    import anyio
+
+    from runner.config import load_settings
+    from runner.proxy_client import service_status, stop_service
+    from runner.proxy_protocol import ServicePaths
+
+    paths = ServicePaths(load_settings().home)
+    if args.action == "stop":
+        pid = anyio.run(lambda: stop_service(paths, drain_s=args.drain))
+        print("no model proxy service was running" if pid is None else f"stopped the model proxy service (pid {pid})")
+        return 0
+    hello = anyio.run(service_status, paths)
+    if hello is None:
+        print(f"no model proxy service answers at {paths.control}", file=sys.stderr)
+        return EXIT_ERROR
+    _print_json(hello.model_dump(mode="json"))
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace, client: Any) -> int:
     from runner.diagnosis import Diagnosis, render_text
 
@@ -122,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         fk.add_argument(n)
     fk.add_argument("--new-member", required=True)
     fk.add_argument("--at-turn", type=int)
+    ps = sub.add_parser("proxy-service", help="the model proxy service of this host's CLOUD_AGENT_HOME")
+    ps.add_argument("action", choices=["status", "stop"])
+    ps.add_argument("--drain", type=float, default=0.0, help="stop: seconds to wait for requests in flight")
     ins = sub.add_parser("inspect", help="diagnose a chat's turn: route, session identity, native state, request")
     ins.add_argument("user")
     ins.add_argument("chat")
@@ -174,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         from runner.demo import main as demo_main
 
         return demo_main([r for r in args.runtimes.split(",") if r], json_output=args.json)
+    if args.command == "proxy-service":
+        return cmd_proxy_service(args)
 
     from runner.client import ApiError, DaemonClient, read_token
 

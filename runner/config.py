@@ -95,6 +95,12 @@ class Settings(BaseModel):
         default="off", description="CLOUD_AGENT_NATIVE_COMPACTION: off = a context-window refusal is the turn's "
         "context_too_long (no summary request, no retry with a rewritten history); on = the CLI may compact, "
         "and the receipt says so")
+    proxy_process: Literal["service", "daemon"] = Field(
+        default="service", description="CLOUD_AGENT_PROXY_PROCESS: where the model proxy runs. service = a process of "
+        "its own that outlives daemon restarts (a reply streaming across a restart reaches its CLI); daemon = in the "
+        "daemon (a restart breaks the streams in flight; the CLIs retry at the same socket paths)")
+    proxy_linger_s: float = Field(default=300.0, gt=0, description="CLOUD_AGENT_PROXY_LINGER_S: the proxy service "
+                                  "exits after this long with no daemon attached and no request in flight")
     memory_bytes: int = 4 * 1024**3
     pids_limit: int = 1024
     nano_cpus: int = 2_000_000_000
@@ -197,6 +203,7 @@ _ENV = {
     "CLOUD_AGENT_HOST_CAPACITY": "host_capacity", "CLOUD_AGENT_LEASE_TTL_S": "lease_ttl_s",
     "CLOUD_AGENT_FORWARD_TIMEOUT_S": "forward_timeout_s",
     "CLOUD_AGENT_NATIVE_COMPACTION": "native_compaction",
+    "CLOUD_AGENT_PROXY_PROCESS": "proxy_process", "CLOUD_AGENT_PROXY_LINGER_S": "proxy_linger_s",
 }
 
 

@@ -59,6 +59,8 @@ async def run_demo(runtimes: list[str], *, json_output: bool = False) -> int:
     from deploy.loopback import LoopbackFixture, dialogue
     from images.build import ensure_image
     from runner.config import load_settings
+    from runner.proxy_client import stop_service
+    from runner.proxy_protocol import ServicePaths
     from runner.serve import build_daemon
 
     # Blocking set-up (engine start, a possible image build) runs in worker threads, never on the loop.
@@ -93,6 +95,8 @@ async def run_demo(runtimes: list[str], *, json_output: bool = False) -> int:
                     print(f"\n== {runtime} ==", flush=True)
                     failures += await _demo_chat(client, daemon, fx, runtime, rows, dialogue)
             server.should_exit = True
+        # the demo's model proxy service would outlive it (SPEC 14) in front of a fixture that is gone
+        await stop_service(ServicePaths(home))
     _print_table(rows, json_output)
     print(f"\nstate dir: {home}  (model requests: {home / 'model-requests.jsonl'})")
     return 1 if failures else 0

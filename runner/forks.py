@@ -117,8 +117,9 @@ class Forker:
     async def _eager(self, driver: Driver, sandbox: Sandbox, home: str, parent: Locator,
                      req: ForkRequest) -> tuple[Locator, str | None]:
         dirs = self.manager.member_dirs(home)
-        launch = driver.plan_fork(member_paths(dirs), self.runner.gateway(
-            driver.runtime, sandbox.record.user_id, sandbox.record.chat_id, req.new_member_id), parent, req.at_turn)
+        gateway = await self.runner.gateway(driver.runtime, sandbox.record.user_id, sandbox.record.chat_id,
+                                            req.new_member_id)
+        launch = driver.plan_fork(member_paths(dirs), gateway, parent, req.at_turn)
         proc = await start_in_sandbox(self.manager, sandbox, dirs, launch, name="fork")
         session = driver.session(exec_transport(proc.stream), launch)
         try:

@@ -1,18 +1,20 @@
 """The sandboxes' one way to the model, composed for the daemon (SPEC 7, 12, 14).
 
-Owns the :class:`proxy.ProxyHost` (inside the supervisor's task group), one socket per
-sandbox at ``HOME/sockets/<container name>/model.sock`` (mounted read-only into that sandbox),
-the map from a member's running job to the requests its CLI sends (``turn_of``), the wire
-ledger sink, and each turn's verdict. After a daemon restart every running sandbox of this
-host gets its socket back at the same path before any turn runs, so a CLI's own retry reaches
-the new proxy.
+The model proxy (:class:`runner.model_proxy.ModelProxy`: one socket per sandbox at
+``HOME/sockets/<container name>/model.sock``, mounted read-only into that sandbox, the wire
+ledger sink, the map from a member's running job to the requests its CLI sends) runs in a
+process of its own by default, the proxy service (``runner.proxy_service``), which outlives
+daemon restarts: a reply streaming when the daemon dies still reaches its CLI, and the request
+is attributed to the turn the next daemon finishes. ``CLOUD_AGENT_PROXY_PROCESS=daemon`` runs
+it in the daemon instead (a restart then breaks the streams in flight; the sockets come back at
+the same paths, so a CLI's own retry reaches the new proxy). This module keeps the daemon's
+view (sockets, members, running turns) to send the service again after a reconnect, and
+decides each turn's wire verdict.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -27,8 +29,7 @@ from drivers.models import GatewayConfig
 from proxy import (
     Baseline,
     ProxyConfig,
-    ProxyHost,
-    ProxyMetrics,
+    VerdictMetrics,
     WireRecord,
     WireVerdict,
     baseline_after,
@@ -37,6 +38,11 @@ from proxy import (
     wire_verdict,
 )
 from runner.config import LOOPBACK_KEY, Settings
+from runner.model_proxy import ModelProxy, ProxyOps
+from runner.proxy_client import ProxyServiceClient, ProxyServiceUnavailable
+from runner.proxy_link import ProxyServiceError
+from runner.proxy_metrics_relay import ProxyMetricsRelay
+from runner.proxy_protocol import ServiceConfig, ServicePaths
 from sandbox_manager.identity import container_name, member_key
 from sandbox_manager.sandboxes import SandboxManager
 from sandbox_manager.sealing import MODEL_PORT
@@ -44,9 +50,12 @@ from state.contract import StoreContract
 from state.jobs import Job
 from state.receipts import Outcome, Receipt, WireDifference, WireInfo
 from state.records import MemberRecord, SandboxState
-from state.wire_ledger import WireRecordRow, WireTurnRow
+from state.wire_ledger import WireTurnRow
 
 log = structlog.get_logger("model_path")
+
+FLUSH_TIMEOUT_S = 10.0
+METRICS_WAIT_S = 2.0
 
 
 def proxy_config(settings: Settings, gateway_url: str) -> ProxyConfig:
@@ -61,33 +70,15 @@ def proxy_config(settings: Settings, gateway_url: str) -> ProxyConfig:
                        capture=settings.wire_capture)
 
 
+def service_config(settings: Settings, proxy: ProxyConfig) -> ServiceConfig:
+    return ServiceConfig(home=settings.home, proxy=proxy, store_url=settings.store_url, store_path=settings.store_path,
+                         linger_s=settings.proxy_linger_s)
+
+
 @dataclass(frozen=True)
 class _Chat:
     user_id: str
     chat_id: str
-
-
-class LedgerSink:
-    """:class:`proxy.WireSink` into the store: digests in ``record_json``, texts only with capture."""
-
-    def __init__(self, store: StoreContract, path: ModelPath) -> None:
-        self.store, self.path = store, path
-
-    async def put(self, record: WireRecord) -> None:
-        chat = self.path.chats.get(record.chat_key)
-        if chat is None:
-            return  # closed meanwhile; nothing to attribute it to
-        member_id = self.path.members.get((record.chat_key, record.member_key or ""))
-        captured = None
-        if record.capture is not None or record.reply_capture is not None:
-            captured = json.dumps({"request": [m.model_dump() for m in record.capture or []],
-                                   "reply": [m.model_dump() for m in record.reply_capture or []]})
-        body = record.model_dump_json(exclude={"capture", "reply_capture"})
-        ordinal = f"{record.started_at.isoformat()}|{record.seq:012d}"
-        await self.store.put_wire_record(WireRecordRow(
-            record_id=uuid.uuid4().hex, user_id=chat.user_id, chat_id=chat.chat_id, member_id=member_id,
-            job_id=record.job_id, ordinal=ordinal, record_json=body, capture_json=captured,
-            created_at=datetime.now(UTC).isoformat()))
 
 
 class ModelPath:
@@ -96,29 +87,54 @@ class ModelPath:
                  registry: CollectorRegistry | None = None) -> None:
         self.settings, self.store, self.manager = settings, store, manager
         self.config = config or proxy_config(settings, gateway_url)
+        # the daemon's view, sent again to a service it reconnects to
         self.chats: dict[str, _Chat] = {}  # chat_key -> ids (registered when its socket opens)
         self.members: dict[tuple[str, str], str] = {}  # (chat_key, member_key) -> member_id
         self.jobs: dict[tuple[str, str], str] = {}  # (chat_key, member_key) -> running job id
-        self.host: ProxyHost | None = None
         self.rewrite = rewrite  # test seam only (runner.turn.TestHooks.rewrite_model_request)
-        # proxy requests by route and status, wire verdicts (SPEC 11), on the daemon's registry
-        self.proxy_metrics = ProxyMetrics(registry)
+        # a Python callable cannot cross into the service: the seam runs the proxy in the daemon
+        self.in_daemon = settings.proxy_process == "daemon" or rewrite is not None
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.verdict_metrics = VerdictMetrics(self.registry)  # SPEC 11: verdicts are the daemon's
+        # the proxy's request counters: its own in the daemon, relayed from the service's process
+        self.relay = None if self.in_daemon else ProxyMetricsRelay(self.registry)
+        self._ops: ProxyOps | None = None
+        self._client: ProxyServiceClient | None = None
+        if not self.in_daemon:
+            ServicePaths(settings.home).check()  # the control socket's address fits, or the daemon does not start
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[ModelPath]:
-        async with ProxyHost(self.config, sink=LedgerSink(self.store, self), turn_of=self.turn_of,
-                             metrics=self.proxy_metrics, rewrite=self.rewrite) as host:
-            self.host = host
+        if self.in_daemon:
+            async with ModelProxy(self.config, self.store, registry=self.registry, rewrite=self.rewrite) as proxy:
+                self._ops = proxy
+                try:
+                    await self._reopen()
+                    yield self
+                finally:
+                    self._ops = None
+            return
+        client = ProxyServiceClient(service_config(self.settings, self.config), replay=self._replay)
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
             try:
+                await tg.start(client.run)  # attached: the service answers, started if it did not
+                self._ops, self._client = client, client
                 await self._reopen()
                 yield self
+            except Exception as exc:  # raised below, as itself (the task group would wrap it in a group)
+                failure = exc
             finally:
-                self.host = None
+                self._ops = self._client = None
+                tg.cancel_scope.cancel()  # our connection ends; the service serves on
+        if failure is not None:
+            raise failure
 
     async def _reopen(self) -> None:
-        """SPEC 14: the sockets of this host's running sandboxes come back at the same paths."""
+        """SPEC 14: the sockets of this host's running sandboxes are open (again: the service
+        kept them; a new service or proxy makes them at the same paths)."""
         try:
             records = await self.store.list_sandboxes(SandboxState.RUNNING)
         except Exception as exc:  # noqa: BLE001 - the store may be down; turns reopen on demand
@@ -128,10 +144,29 @@ class ModelPath:
             if rec.host_id == self.manager.config.host_id:
                 await self.open(rec.user_id, rec.chat_id)
 
-    def _host(self) -> ProxyHost:
-        if self.host is None:
+    async def _replay(self, ops: ProxyOps) -> None:
+        """Everything this daemon told the proxy, again (a new connection, maybe a new service)."""
+        for key, chat in list(self.chats.items()):
+            try:
+                await ops.open(key, chat.user_id, chat.chat_id, self.manager.socket_dir(chat.user_id, chat.chat_id))
+            except ProxyServiceError as exc:  # that chat's turns will say so; the others serve on
+                log.error("model_path.reopen_refused", chat_key=key, error=str(exc))
+        for (key, mk), member_id in list(self.members.items()):
+            await ops.member(key, mk, member_id)
+        for (key, mk), job_id in list(self.jobs.items()):
+            await ops.begin(key, mk, self.members.get((key, mk), ""), job_id)
+
+    def _proxy(self) -> ProxyOps:
+        if self._ops is None:
             raise RuntimeError("the model proxy is not running")
-        return self.host
+        return self._ops
+
+    async def _tell(self, what: str, call: Callable[[ProxyOps], Awaitable[None]]) -> None:
+        """An update the proxy may miss while it is unreachable: the next connection replays it."""
+        try:
+            await call(self._proxy())
+        except ProxyServiceUnavailable as exc:
+            log.warning("model_path.proxy_unreachable", update=what, error=str(exc))
 
     # -- sockets ------------------------------------------------------------------------------
 
@@ -142,44 +177,64 @@ class ModelPath:
     async def open(self, user_id: str, chat_id: str) -> Path:
         key = self.chat_key(user_id, chat_id)
         self.chats[key] = _Chat(user_id, chat_id)
-        return await self._host().open_sandbox(key, self.manager.socket_dir(user_id, chat_id), user_id=user_id)
+        return await self._proxy().open(key, user_id, chat_id, self.manager.socket_dir(user_id, chat_id))
 
     async def close(self, user_id: str, chat_id: str) -> None:
         key = self.chat_key(user_id, chat_id)
-        if self.host is not None:
-            await self.host.close_sandbox(key)
         self.chats.pop(key, None)
+        for table in (self.members, self.jobs):
+            for k in [k for k in table if k[0] == key]:
+                del table[k]
+        if self._ops is not None:
+            await self._tell("close", lambda p: p.close(key))
 
     # -- members and turns --------------------------------------------------------------------
 
-    def turn_of(self, chat_key: str, member: str) -> str | None:
-        return self.jobs.get((chat_key, member))
-
-    def gateway(self, user_id: str, chat_id: str, member_id: str, model: str) -> GatewayConfig:
+    async def gateway(self, user_id: str, chat_id: str, member_id: str, model: str) -> GatewayConfig:
         """What a member's CLI is configured with: its own base URL and a placeholder key."""
         key = self.chat_key(user_id, chat_id)
         mk = member_key(member_id)
         self.members[(key, mk)] = member_id
+        await self._tell("member", lambda p: p.member(key, mk, member_id))
         return GatewayConfig(base_url=member_base_url(MODEL_PORT, mk), key=SecretStr(placeholder_key(key)),
                              model=model)
 
-    def begin(self, job: Job) -> None:
+    async def begin(self, job: Job) -> None:
+        """The member's requests belong to ``job`` from now on (until ``end``)."""
         key, mk = self.chat_key(job.user_id, job.chat_id), member_key(job.member_id)
         self.members[(key, mk)] = job.member_id
         self.jobs[(key, mk)] = job.job_id
+        await self._tell("begin", lambda p: p.begin(key, mk, job.member_id, job.job_id))
 
-    def end(self, job: Job) -> None:
-        key = (self.chat_key(job.user_id, job.chat_id), member_key(job.member_id))
-        if self.jobs.get(key) == job.job_id:
-            del self.jobs[key]
+    async def end(self, job: Job) -> None:
+        key, mk = self.chat_key(job.user_id, job.chat_id), member_key(job.member_id)
+        if self.jobs.get((key, mk)) == job.job_id:
+            del self.jobs[(key, mk)]
+        await self._tell("end", lambda p: p.end(key, mk, job.job_id))
+
+    async def keep_turns(self, job_ids: list[str]) -> None:
+        """After a restart: the proxy forgets the running turns a dead daemon left but these
+        (the ones being finished); their CLIs' requests belonged to them meanwhile."""
+        await self._tell("keep_turns", lambda p: p.keep_turns(job_ids))
+
+    async def refresh_metrics(self) -> None:
+        """Before a scrape: the service's counters, as they are now."""
+        if self.relay is None or self._client is None:
+            return
+        try:
+            self.relay.update(await self._client.metrics(METRICS_WAIT_S))
+        except ProxyServiceUnavailable as exc:
+            log.warning("model_path.metrics_unavailable", error=str(exc))
+            self.relay.update(None)
 
     # -- the verdict --------------------------------------------------------------------------
 
     async def settle(self, receipt: Receipt, member: MemberRecord | None, *, message: str, compaction: bool,
                      settled_index: int) -> tuple[WireInfo, WireTurnRow]:
         """The turn's wire verdict and the ledger row that is committed with its receipt."""
-        if self.host is not None:
-            await self.host.flush(self.chat_key(receipt.user_id, receipt.chat_id))
+        if self._ops is not None:
+            await self._tell("flush", lambda p: p.flush(self.chat_key(receipt.user_id, receipt.chat_id),
+                                                        FLUSH_TIMEOUT_S))
         records = await self.records(receipt.user_id, receipt.chat_id, receipt.job_id)
         compaction = compaction or saw_summary(records)
         baseline, failed = await self._expectation(member)
@@ -193,7 +248,7 @@ class ModelPath:
                           job_id=receipt.job_id, settled_index=settled_index, outcome=receipt.outcome.value,
                           conversational=conversational, baseline_json=left.model_dump_json() if left else None,
                           failed_text=failed_text, created_at=datetime.now(UTC).isoformat())
-        self.proxy_metrics.observe_verdict(receipt.runtime, verdict.history)
+        self.verdict_metrics.observe(receipt.runtime, verdict.history)
         return to_wire_info(verdict), row
 
     async def records(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecord]:

@@ -95,8 +95,9 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
         return f"keeper_unavailable: {exc}"
     driver = runner.driver(rec.runtime)
     saved = member.locator
-    launch = driver.plan(member_paths(manager.member_dirs(member.home_member_id)),
-                         runner.gateway(rec.runtime, *key), Locator(id=saved.id, path=saved.path) if saved else None)
+    gateway = await runner.gateway(rec.runtime, *key)
+    launch = driver.plan(member_paths(manager.member_dirs(member.home_member_id)), gateway,
+                         Locator(id=saved.id, path=saved.path) if saved else None)
     transport = exec_transport(handle.channel)
     if runner.hooks.wrap_transport is not None:
         transport = runner.hooks.wrap_transport(transport, rec.runtime)

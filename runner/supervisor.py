@@ -135,7 +135,10 @@ class Supervisor:
         await self.capacity.load(self.store)
         async with anyio.create_task_group() as tg, self.model_path.running():
             # inside the model path: a turn being finished needs its socket back
-            for p in await self.recovery.recover():
+            pending = await self.recovery.recover()
+            # the proxy service may have outlived the last daemon: it forgets the turns no one finishes
+            await self.model_path.keep_turns([p.job.job_id for p in pending])
+            for p in pending:
                 await tg.start(self.recovery.finish, p)  # holds the member's lock before any job is admitted
             self._tg = tg
             tg.start_soon(self.housekeeping.beat_loop)
@@ -285,6 +288,7 @@ class Supervisor:
 
     async def render_metrics(self, accept: str = "") -> tuple[bytes, str]:
         """The Prometheus exposition (in the format ``accept`` asks for) and its content type."""
+        await self.model_path.refresh_metrics()  # the proxy service's counters, relayed
         states: dict[str, int] = {s.value: 0 for s in SandboxState}
         for rec in await self.store.list_sandboxes():
             if rec.host_id == self.manager.config.host_id:

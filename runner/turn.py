@@ -98,9 +98,9 @@ class TurnRunner:
         """The runtime's driver with this host's launch inputs (pins, compaction policy)."""
         return self.drivers(runtime, self.driver_options)
 
-    def gateway(self, runtime: str, user_id: str, chat_id: str, member_id: str) -> GatewayConfig:
+    async def gateway(self, runtime: str, user_id: str, chat_id: str, member_id: str) -> GatewayConfig:
         """The member's own base URL through its sandbox's model socket, and a placeholder key."""
-        return self.model_path.gateway(user_id, chat_id, member_id, self.models[runtime])
+        return await self.model_path.gateway(user_id, chat_id, member_id, self.models[runtime])
 
     async def resolve_sandbox(self, user_id: str, chat_id: str, *, resident: bool = False) -> Sandbox:
         """The chat's sandbox with its model socket listening (opened first: the container's
@@ -147,11 +147,15 @@ class TurnRunner:
     async def execute(self, job: Job, emit: Emit) -> Receipt:
         ctx = TurnContext(job=job, emit=emit)
         key = (job.user_id, job.chat_id, job.member_id)
-        self.model_path.begin(job)
+        await self.model_path.begin(job)
+        left = False
         try:
             return await self._execute(ctx, key)
+        except BaseException:
+            left = self.detaching
+            raise
         finally:
-            self.model_path.end(job)
+            await self._end_of_turn(job, left=left)
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)  # a replacement by another member may go on
 
@@ -167,7 +171,8 @@ class TurnRunner:
         ctx = TurnContext(job=job, emit=lambda event: None, started_at=turn.started_at,
                           timings=Timings.model_validate_json(turn.timings_json),
                           status=ContextStatus(turn.context_status) if turn.context_status else None)
-        self.model_path.begin(job)  # the CLI's retried model request belongs to this job
+        await self.model_path.begin(job)  # the CLI's model requests still belong to this job
+        left = False
         try:
             ctx.member = await self.store.get_member(*key)
             resident = self.pool.get(key)
@@ -185,10 +190,22 @@ class TurnRunner:
             seen = channel.hello.written  # output the previous daemon may have read (and answered)
             return await self._run(ctx, key, session, resume=session.load_start(turn.start_json),
                                    answer=lambda: channel.offset > seen)
+        except BaseException:
+            left = self.detaching
+            raise
         finally:
-            self.model_path.end(job)
+            await self._end_of_turn(job, left=left)
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)
+
+    async def _end_of_turn(self, job: Job, *, left: bool) -> None:
+        """The member's requests no longer belong to ``job`` — unless the turn was ``left`` to
+        the next daemon (this one is shutting down under it): the proxy service, which outlives
+        this daemon, keeps attributing the CLI's requests to the turn meanwhile."""
+        if left:
+            return
+        with anyio.CancelScope(shield=True):
+            await self.model_path.end(job)
 
     async def _execute(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
         emit = ctx.emit
@@ -273,7 +290,7 @@ class TurnRunner:
         driver = self.driver(job.runtime)
         assert ctx.member is not None
         dirs = self.manager.member_dirs(ctx.member.home_member_id)
-        gateway = self.gateway(job.runtime, job.user_id, job.chat_id, job.member_id)
+        gateway = await self.gateway(job.runtime, job.user_id, job.chat_id, job.member_id)
         pending = ctx.member.pending_fork
         if resume is None and pending is not None:
             # A fork the CLI makes itself as this first turn starts (Claude --fork-session).

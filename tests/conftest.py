@@ -15,6 +15,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _end_stray_proxy_services(tmp_path_factory):
+    """No model proxy service of this session outlives it (tests/support/proxy_services.py)."""
+    yield
+    from tests.daemon_harness import TEST_HOMES
+    from tests.support.proxy_services import end_strays
+
+    pids = end_strays(set(TEST_HOMES), tmp_path_factory.getbasetemp())
+    if pids:
+        print(f"\nended {len(pids)} model proxy service(s) left by this session: {pids}")
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     import docker

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ import httpx
 import uvicorn
 
 from runner.config import Settings, load_settings
+from runner.proxy_client import stop_service
+from runner.proxy_protocol import ServicePaths
 from runner.serve import Daemon, build_daemon
 from runner.turn import TestHooks
 
@@ -37,6 +40,16 @@ def free_port() -> int:
 # Host ids of the daemons this test process started: the module teardown in conftest.py
 # removes their sandboxes (and never another process's, on a shared engine).
 TEST_HOST_IDS: set[str] = set()
+# Homes of the daemons this test process started: the session's end stops any model proxy
+# service of theirs still running (tests/support/proxy_services.py).
+TEST_HOMES: set[Path] = set()
+
+
+def stop_proxy_service(home: Path) -> None:
+    """A daemon's model proxy service outlives it by design (SPEC 14); a test's must not.
+    Blocking (a thread of its own: the caller may be inside an event loop)."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(anyio.run, stop_service, ServicePaths(home)).result(timeout=120)
 
 
 def test_host_id(home: Path) -> str:
@@ -59,6 +72,7 @@ def daemon_settings(home: Path, gateway_url: str, image: str, **overrides: Any) 
            "CLOUD_AGENT_HOST_ID": test_host_id(home)}
     settings = load_settings(env, **overrides)
     TEST_HOST_IDS.add(settings.resolved_host_id())
+    TEST_HOMES.add(settings.home)
     return settings
 
 
@@ -88,18 +102,23 @@ async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None) 
     config = uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None, access_log=False,
                             lifespan="on")
     server = uvicorn.Server(config)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(server.serve)
-        with anyio.fail_after(60):
-            while not server.started:
-                await anyio.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {TOKEN}"},
-                                     timeout=httpx.Timeout(600, connect=10)) as client:
-            try:
-                yield RunningDaemon(daemon=daemon, url=url, client=client)
-            finally:
-                server.should_exit = True
+    TEST_HOMES.add(settings.home)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve)
+            with anyio.fail_after(60):
+                while not server.started:
+                    await anyio.sleep(0.05)
+            url = f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {TOKEN}"},
+                                         timeout=httpx.Timeout(600, connect=10)) as client:
+                try:
+                    yield RunningDaemon(daemon=daemon, url=url, client=client)
+                finally:
+                    server.should_exit = True
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stop_service(ServicePaths(settings.home))  # the daemon is gone: nothing needs it
 
 
 @dataclass
@@ -131,9 +150,13 @@ class DaemonProcess:
 def serve_process(env: dict[str, str], port: int, log_path: Path, *,
                   cwd: Path | None = None, argv: list[str] | None = None) -> Iterator[DaemonProcess]:
     """Run the daemon with exactly ``env`` on ``port``; yield once /healthz answers (60 s at
-    most), terminate it at the end."""
+    most), terminate it at the end and stop its model proxy service — unless the test ended the
+    daemon itself (``kill -9``, SIGTERM): a restart test's next daemon attaches to that service."""
     if env.get("CLOUD_AGENT_HOST_ID"):
         TEST_HOST_IDS.add(env["CLOUD_AGENT_HOST_ID"])
+    home = Path(env["CLOUD_AGENT_HOME"]) if env.get("CLOUD_AGENT_HOME") else None
+    if home is not None:
+        TEST_HOMES.add(home)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv or [sys.executable, "-m", "runner.cli", "serve"], env=env, stdout=log, stderr=log,
                                 cwd=cwd, start_new_session=True)
@@ -151,7 +174,10 @@ def serve_process(env: dict[str, str], port: int, log_path: Path, *,
             time.sleep(0.1)
         yield dp
     finally:
+        ended_by_the_test = proc.poll() is not None
         dp.terminate()
+        if home is not None and not ended_by_the_test:
+            stop_proxy_service(home)
 
 
 @contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import httpx
 import pytest
 
 from deploy.loopback import LoopbackFixture, reply, stall
-from tests.daemon_harness import TOKEN, daemon_process, daemon_settings, running_daemon
+from sandbox_manager.identity import member_key
+from tests.daemon_harness import TOKEN, DaemonProcess, daemon_process, daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, high_water, runtimes_one_per_bridge
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
@@ -79,15 +81,33 @@ async def test_resident_is_live_after_sigterm_and_after_kill_9(runtime, fx, tmp_
     assert cli_alive(docker_client, cid, ident["pid"])
 
 
-async def test_kill_9_while_the_reply_streams_commits_the_turn_once(fx, tmp_path, sandbox_image,
-                                                                    docker_client) -> None:
-    home, chat = tmp_path / "home", Chat("codex")
-    with daemon_process(home, fx.base_url, sandbox_image) as dp:
+# From inside a sandbox, as its CLI would: a side request through the model socket, on a member's
+# base URL (its path prefix attributes it to the member's running turn)
+SIDE_REQUEST = ("import http.client, sys; c = http.client.HTTPConnection('127.0.0.1', 18080, timeout=30); "
+                "c.request('GET', '/m/' + sys.argv[1] + '/v1/models'); print(c.getresponse().status)")
+
+
+def ledger_of(home: Path, job_id: str) -> list[tuple[str, str]]:
+    db = sqlite3.connect(home / "store.db")
+    try:
+        rows = db.execute("SELECT record_json FROM wire_records WHERE job_id=? ORDER BY ordinal", (job_id,)).fetchall()
+    finally:
+        db.close()
+    return [(json.loads(r[0])["method"], json.loads(r[0])["path"]) for r in rows]
+
+
+async def stop_while_the_reply_streams(fx, home: Path, image: str, docker_client,
+                                       stop: Callable[[DaemonProcess], None], hold_s: float) -> None:
+    """``stop`` the daemon while the model's reply to a turn streams (the fixture holds it for
+    ``hold_s``: long enough for the stop and the next daemon's start). While no daemon is
+    attached, the sandbox sends one more request of the turn. The next daemon commits the turn
+    once, with the reply; exactly one request carried the message, and both are the turn's."""
+    chat = Chat("codex")
+    with daemon_process(home, fx.base_url, image) as dp:
         async with httpx.AsyncClient(base_url=dp.url, headers=HEADERS, timeout=180) as client:
             first = await turn(client, fx, chat, "before the crash")
             expected = chat.expect_turn("during the crash")
-            fx.add_rule(stall(60, match="during the crash", times=1))
-            fx.add_rule(stall(3, match="during the crash", times=1))  # the CLI's retry, after the restart
+            fx.add_rule(stall(hold_s, match="during the crash", times=1))
             crash_job = chat.job("during the crash")
 
             async def doomed() -> None:
@@ -103,9 +123,14 @@ async def test_kill_9_while_the_reply_streams_commits_the_turn_once(fx, tmp_path
                     lambda rs: any("during the crash" in json.dumps(r.body) for r in rs), timeout=90))
                 await anyio.sleep(1.0)
                 assert keeper_row(home, chat)["turn"] is not None
-                dp.kill9()
+                await anyio.to_thread.run_sync(stop, dp)
                 tg.cancel_scope.cancel()
-    with daemon_process(home, fx.base_url, sandbox_image) as dp:
+    # no daemon now: the proxy service still serves the sandbox and knows the member's turn
+    container = docker_client.containers.get(first["sandbox"]["container_id"])
+    side = await anyio.to_thread.run_sync(lambda: container.exec_run(
+        ["python3", "-c", SIDE_REQUEST, member_key(chat.member_id)], user="agent"))
+    assert side.exit_code == 0, side.output
+    with daemon_process(home, fx.base_url, image) as dp:
         async with httpx.AsyncClient(base_url=dp.url, headers=HEADERS, timeout=180) as client:
             url, params = f"/v1/jobs/{crash_job['job_id']}", {"user_id": chat.user_id}
             answers = []
@@ -117,12 +142,22 @@ async def test_kill_9_while_the_reply_streams_commits_the_turn_once(fx, tmp_path
                         break
                     assert resp.json() == {"job_id": crash_job["job_id"], "status": "running"}
                     await anyio.sleep(0.2)
+            # the model proxy's service outlived the daemon: the held reply reached the CLI whole,
+            # and the message reached the model in exactly one request (no retry after a broken stream)
+            carried = [r for r in fx.requests(kind="conversation")
+                       if [m.text for m in r.conversation() if m.role == "user"][-1:] == ["during the crash"]]
+            assert len(carried) == 1, [r.seq for r in carried]
             assert answers[-1] == 200 and answers[0] == 202 and set(answers[:-1]) == {202}
             got = resp.json()
             assert (got["outcome"], got["context_status"], got["assistant_text"]) == ("succeeded", "LIVE", expected)
             assert got["locator_before"] == first["locator_after"] == got["locator_after"]
             assert got["sandbox"]["container_id"] == first["sandbox"]["container_id"]
             assert got["sandbox"]["image_id"] and got["cli_version"] and got["settlement"]["evidence"]
+            # the proxy's own witness: the held request and the one sent while no daemon was
+            # attached are both recorded against this turn
+            assert ledger_of(home, crash_job["job_id"]) == [("POST", "/v1/responses"), ("GET", "/v1/models")]
+            wire = got["wire"]
+            assert (wire["history"], wire["requests"], wire["side_requests"]) == ("complete", 2, 1), wire
             # a re-dispatch returns the one receipt; nothing runs again
             mark = high_water(fx)
             again = await client.post("/v1/jobs", json=crash_job)
@@ -130,14 +165,23 @@ async def test_kill_9_while_the_reply_streams_commits_the_turn_once(fx, tmp_path
             assert [r for r in fx.requests() if r.seq > mark] == []
             nxt = await turn(client, fx, chat, "after the crash")
             assert nxt["context_status"] == "LIVE"
-    # the message reached the model in the held request and in the CLI's own retry after the
-    # proxy's socket came back; the native history holds it once
-    carried = [r for r in fx.requests(kind="conversation")
-               if [m.text for m in r.conversation() if m.role == "user"][-1:] == ["during the crash"]]
-    assert len(carried) == 2, [r.seq for r in carried]
     jobs = sqlite3.connect(home / "store.db").execute("SELECT state FROM jobs WHERE job_id=?",
                                                       (crash_job["job_id"],)).fetchall()
     assert jobs == [("done",)]
+
+
+async def test_kill_9_while_the_reply_streams_commits_the_turn_once(fx, tmp_path, sandbox_image,
+                                                                    docker_client) -> None:
+    await stop_while_the_reply_streams(fx, tmp_path / "home", sandbox_image, docker_client, DaemonProcess.kill9,
+                                       hold_s=20)
+
+
+async def test_sigterm_while_the_reply_streams_commits_the_turn_once(fx, tmp_path, sandbox_image,
+                                                                     docker_client) -> None:
+    """A graceful stop leaves the turn to the next daemon (the proxy service keeps it as the
+    member's running turn). The daemon's own shutdown waits up to 10 s for open HTTP answers."""
+    await stop_while_the_reply_streams(fx, tmp_path / "home", sandbox_image, docker_client,
+                                       DaemonProcess.terminate, hold_s=30)
 
 
 async def test_a_forged_keeper_identity_is_refused(fx, tmp_path, sandbox_image, docker_client) -> None:

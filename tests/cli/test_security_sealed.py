@@ -165,7 +165,8 @@ def test_the_sandbox_is_sealed_and_never_holds_the_key(runtime, fx, tmp_path, sa
             assert key not in json.dumps(docker_client.api.exec_inspect(exec_id))
         fetched = client.get(f"/v1/jobs/{receipt['job_id']}", params={"user_id": chat.user_id})
         assert fetched.status_code == 200 and key not in fetched.text
-        assert key not in d.log() and '"event": "proxy.request"' in d.log()
+        proxy_log = (home / "proxy" / "service.log").read_text()  # the model proxy service's own log
+        assert key not in d.log() and key not in proxy_log and '"event": "proxy.request"' in proxy_log
         # the real key arrived upstream, in the route's own header; no placeholder did
         turn = [r for r in fx.requests() if r.seq > mark and r.kind != "probe"]
         assert turn, "no model request reached the fixture"

@@ -92,7 +92,7 @@ async def test_the_daemons_metrics_are_one_registry_with_every_parts_families(tm
                               "CLOUD_AGENT_MAX_TURNS": "3", "CLOUD_AGENT_RESIDENT_MEMORY_MB": "2048"})
     sup = build_supervisor(settings, "http://127.0.0.1:9", engine=FakeEngine())  # type: ignore[arg-type]
     try:
-        sup.model_path.proxy_metrics.observe_verdict("pi", "complete")
+        sup.model_path.verdict_metrics.observe("pi", "complete")
         body, content_type = await sup.render_metrics()
     finally:
         sup.store.close()

@@ -1,6 +1,7 @@
-"""The daemon's wire ledger and verdicts (runner/model_path.py) on a real SQLite store: what a
-turn leaves for the next, failed queries kept until a success, a fork compared with its source
-at the fork point, a summary request as compaction evidence, texts only with capture on."""
+"""The wire ledger (runner/proxy_attribution.py) and the daemon's verdicts (runner/model_path.py)
+on a real SQLite store: what a turn leaves for the next, failed queries kept until a success, a
+fork compared with its source at the fork point, a summary request as compaction evidence, texts
+only with capture on."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from proxy import DigestEntry, ProxyConfig, WireRecord
 from runner.config import load_settings
-from runner.model_path import LedgerSink, ModelPath, _Chat
+from runner.model_path import ModelPath
+from runner.proxy_attribution import Attribution, LedgerSink
 from sandbox_manager.identity import container_name, member_key
 from state.receipts import Outcome, Receipt
 from state.records import SavedLocator
@@ -31,7 +33,6 @@ async def path(tmp_path):
     settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path)})
     mp = ModelPath(settings, "http://127.0.0.1:9", store, None,  # type: ignore[arg-type]
                    config=ProxyConfig(upstream_url="http://127.0.0.1:9", key_file=key, capture=True))
-    mp.chats[container_name(U, C)] = _Chat(U, C)
     yield mp
     store.close()
 
@@ -51,8 +52,10 @@ async def request(mp: ModelPath, member: str, job: str, conv: list[tuple[str, st
                      bytes_in=1, bytes_out=1, digest=[DigestEntry.text(r, t) for r, t in conv],  # type: ignore[arg-type]
                      reply=[DigestEntry.text("assistant", reply)] if reply else None,
                      capture=[{"role": r, "text": t} for r, t in conv], reply_capture=None)  # type: ignore[misc]
-    mp.members[(container_name(U, C), member_key(member))] = member
-    await LedgerSink(mp.store, mp).put(rec)
+    attribution = Attribution()  # the proxy's: the socket of chat C is open, member's CLI sent it
+    attribution.open_chat(container_name(U, C), U, C)
+    attribution.member(container_name(U, C), member_key(member), member)
+    await LedgerSink(mp.store, attribution).put(rec)
 
 
 async def settle(mp: ModelPath, member: str, job: str, message: str, outcome: Outcome) -> dict[str, Any]:

@@ -31,7 +31,8 @@ class RefusingEngine:
 async def test_locks_jobs_and_streams_are_pruned_after_many_chats(tmp_path) -> None:
     settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_SOCKET_DIR": daemon_harness.test_socket_dir(tmp_path),
                               "CLOUD_AGENT_IMAGE": "fake:1",
-                              "CLOUD_AGENT_GATEWAY_URL": "http://127.0.0.1:9", "CLOUD_AGENT_MAX_TURNS": "4"})
+                              "CLOUD_AGENT_GATEWAY_URL": "http://127.0.0.1:9", "CLOUD_AGENT_MAX_TURNS": "4",
+                              "CLOUD_AGENT_PROXY_PROCESS": "daemon"})  # no model request is ever made
     sup = build_supervisor(settings, "http://127.0.0.1:9", engine=RefusingEngine())  # type: ignore[arg-type]
     outcomes: list[tuple[str, str | None]] = []
     queued = 0

@@ -172,7 +172,9 @@ async def make_rig(tmp_path, **hooks: Any) -> AsyncIterator[Rig]:
     manager = SandboxManager(engine, store, SandboxConfig(image=IMAGE, socket_root=sockets, host_id="host-t"))  # type: ignore[arg-type]
     key = tmp_path / "gateway-key"
     key.write_text("sk-unit-test-key\n")
-    model_path = ModelPath(load_settings({"CLOUD_AGENT_HOME": str(tmp_path)}), "http://127.0.0.1:9", store, manager,
+    # the proxy in this process: the turn state machine, not the proxy service, is under test here
+    settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_PROXY_PROCESS": "daemon"})
+    model_path = ModelPath(settings, "http://127.0.0.1:9", store, manager,
                            config=ProxyConfig(upstream_url="http://127.0.0.1:9", key_file=key))
     pool = ResidentPool(grace_s=0.1)
     script = Script()

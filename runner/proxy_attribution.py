@@ -1,0 +1,90 @@
+"""Who is behind each model socket, and which turn each member is running (SPEC 12).
+
+The proxy knows a request's chat from the socket that accepted it and its member from the
+``/m/<member key>`` prefix; this registry turns those keys into the ids the wire ledger stores
+(user, chat, member) and the running job a record belongs to (``turn_of``). It lives beside
+the :class:`proxy.ProxyHost` — in the proxy service's process, so a member's running turn
+stays known while its daemon restarts: a request the CLI sends then still names the turn the
+next daemon finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from proxy import WireRecord
+from state.contract import StoreContract
+from state.wire_ledger import WireRecordRow
+
+
+@dataclass(frozen=True)
+class ChatIds:
+    user_id: str
+    chat_id: str
+
+
+class Attribution:
+    def __init__(self) -> None:
+        self.chats: dict[str, ChatIds] = {}  # chat_key -> ids, while its socket is open
+        self.members: dict[tuple[str, str], str] = {}  # (chat_key, member_key) -> member_id
+        self.turns: dict[tuple[str, str], str] = {}  # (chat_key, member_key) -> running job id
+
+    def open_chat(self, chat_key: str, user_id: str, chat_id: str) -> None:
+        self.chats[chat_key] = ChatIds(user_id, chat_id)
+
+    def close_chat(self, chat_key: str) -> None:
+        """The chat's socket is closed: its members and turns go with it."""
+        self.chats.pop(chat_key, None)
+        for table in (self.members, self.turns):
+            for key in [k for k in table if k[0] == chat_key]:
+                del table[key]
+
+    def member(self, chat_key: str, member_key: str, member_id: str) -> None:
+        self.members[(chat_key, member_key)] = member_id
+
+    def begin(self, chat_key: str, member_key: str, member_id: str, job_id: str) -> None:
+        self.members[(chat_key, member_key)] = member_id
+        self.turns[(chat_key, member_key)] = job_id
+
+    def end(self, chat_key: str, member_key: str, job_id: str) -> None:
+        """The member's turn ``job_id`` is over (a later turn of the member is left alone)."""
+        if self.turns.get((chat_key, member_key)) == job_id:
+            del self.turns[(chat_key, member_key)]
+
+    def keep_turns(self, job_ids: Iterable[str]) -> list[str]:
+        """Forget every running turn but ``job_ids`` (after a restart: the turns a dead daemon
+        left that nobody finishes); returns the forgotten job ids."""
+        keep = set(job_ids)
+        gone = [k for k, job in self.turns.items() if job not in keep]
+        forgotten = [self.turns.pop(k) for k in gone]
+        return forgotten
+
+    def turn_of(self, chat_key: str, member_key: str) -> str | None:
+        return self.turns.get((chat_key, member_key))
+
+
+class LedgerSink:
+    """:class:`proxy.WireSink` into the store: digests in ``record_json``, texts only with capture."""
+
+    def __init__(self, store: StoreContract, attribution: Attribution) -> None:
+        self.store, self.attribution = store, attribution
+
+    async def put(self, record: WireRecord) -> None:
+        chat = self.attribution.chats.get(record.chat_key)
+        if chat is None:
+            return  # closed meanwhile; nothing to attribute it to
+        member_id = self.attribution.members.get((record.chat_key, record.member_key or ""))
+        captured = None
+        if record.capture is not None or record.reply_capture is not None:
+            captured = json.dumps({"request": [m.model_dump() for m in record.capture or []],
+                                   "reply": [m.model_dump() for m in record.reply_capture or []]})
+        body = record.model_dump_json(exclude={"capture", "reply_capture"})
+        ordinal = f"{record.started_at.isoformat()}|{record.seq:012d}"
+        await self.store.put_wire_record(WireRecordRow(
+            record_id=uuid.uuid4().hex, user_id=chat.user_id, chat_id=chat.chat_id, member_id=member_id,
+            job_id=record.job_id, ordinal=ordinal, record_json=body, capture_json=captured,
+            created_at=datetime.now(UTC).isoformat()))

@@ -50,7 +50,7 @@ from state.contract import StoreContract
 from state.jobs import Job
 from state.receipts import Outcome, Receipt, WireDifference, WireInfo
 from state.records import MemberRecord, SandboxState
-from state.wire_ledger import WireTurnRow
+from state.wire_ledger import WireRecordRow, WireTurnRow
 
 log = structlog.get_logger("model_path")
 
@@ -235,9 +235,8 @@ class ModelPath:
         if self._ops is not None:
             await self._tell("flush", lambda p: p.flush(self.chat_key(receipt.user_id, receipt.chat_id),
                                                         FLUSH_TIMEOUT_S))
-        records = await self.records(receipt.user_id, receipt.chat_id, receipt.job_id)
+        records, baseline, failed = await self._settle_inputs(receipt, member)
         compaction = compaction or saw_summary(records)
-        baseline, failed = await self._expectation(member)
         verdict = wire_verdict(records, baseline=baseline, message=message, failed_before=failed,
                                compaction=compaction, runtime=receipt.runtime)
         succeeded = receipt.outcome == Outcome.SUCCEEDED
@@ -252,26 +251,26 @@ class ModelPath:
         return to_wire_info(verdict), row
 
     async def records(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecord]:
-        rows = await self.store.wire_records_of_job(user_id, chat_id, job_id)
-        # seq restarts with each proxy process: renumber in the ledger's arrival order
-        return [WireRecord.model_validate_json(r.record_json).model_copy(update={"seq": i})
-                for i, r in enumerate(rows)]
+        return _records(await self.store.wire_records_of_job(user_id, chat_id, job_id))
 
-    async def _expectation(self, member: MemberRecord | None) -> tuple[Baseline | None, list[str]]:
-        """The baseline of the member's last conversational turn and the failed queries since.
-        A fork with no turn of its own yet compares with its source at the fork point. Two
-        short reads, whatever the chat's length (reading every turn made each turn of a long
-        chat slower: 11% of a 300-turn profile)."""
+    async def _settle_inputs(self, receipt: Receipt, member: MemberRecord | None
+                             ) -> tuple[list[WireRecord], Baseline | None, list[str]]:
+        """The job's records, and the baseline of the member's last conversational turn with the
+        failed queries since — in one store round trip, short whatever the chat's length (reading
+        every turn made each turn of a long chat slower: 11% of a 300-turn profile). A fork with
+        no turn of its own yet compares with its source at the fork point (one read more)."""
         if member is None:
-            return None, []
-        own = await self.store.wire_expectation(member.user_id, member.chat_id, member.member_id)
+            return await self.records(receipt.user_id, receipt.chat_id, receipt.job_id), None, []
+        view = await self.store.wire_settle_view(receipt.user_id, receipt.chat_id, member.member_id, receipt.job_id)
+        records, own = _records(view.records), view.expectation
         if not own.conversational and member.forked_from is not None:
             at = await self.store.wire_baseline_at(member.user_id, member.chat_id, member.forked_from,
                                                    member.settled_turns)
-            return (Baseline.model_validate_json(at) if at else None), []
+            return records, (Baseline.model_validate_json(at) if at else None), []
         if not own.conversational:
-            return None, []
-        return (Baseline.model_validate_json(own.baseline_json) if own.baseline_json else None), own.failed_texts
+            return records, None, []
+        baseline = Baseline.model_validate_json(own.baseline_json) if own.baseline_json else None
+        return records, baseline, own.failed_texts
 
     async def purge_capture(self) -> int:
         before = datetime.now(UTC) - timedelta(days=self.settings.wire_capture_days)
@@ -287,6 +286,11 @@ class ModelPath:
             except Exception as exc:  # noqa: BLE001 - the store may be away; try again next period
                 log.warning("wire.capture_purge_failed", error=repr(exc))
             await anyio.sleep(period_s)
+
+
+def _records(rows: list[WireRecordRow]) -> list[WireRecord]:
+    # seq restarts with each proxy process: renumber in the ledger's arrival order
+    return [WireRecord.model_validate_json(r.record_json).model_copy(update={"seq": i}) for i, r in enumerate(rows)]
 
 
 def saw_summary(records: list[WireRecord]) -> bool:

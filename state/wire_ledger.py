@@ -92,6 +92,14 @@ class WireExpectation:
     failed_texts: list[str]  # its failed queries since its last conversational turn without one, oldest first
 
 
+@dataclass(frozen=True)
+class WireSettleView:
+    """What a turn's verdict reads, in one round trip: the job's records and its member's standing."""
+
+    records: list[WireRecordRow]
+    expectation: WireExpectation
+
+
 def _record(row: Any) -> WireRecordRow:
     return WireRecordRow(**{k: row[k] for k in WireRecordRow.__dataclass_fields__})
 
@@ -119,6 +127,22 @@ def _pg(sql: str) -> str:
     return sql.replace("?", "%s")
 
 
+def _sqlite_expectation(db: sqlite3.Connection, key: tuple[str, str, str]) -> WireExpectation:
+    if db.execute(_ANY_TURN, key).fetchone() is None:
+        return WireExpectation(False, None, [])
+    base = db.execute(_LAST_BASELINE, key).fetchone()
+    failed = [r[0] for r in db.execute(_TRAILING_FAILED, key)]
+    return WireExpectation(True, base[0] if base else None, failed)
+
+
+async def _postgres_expectation(conn: Any, key: tuple[str, str, str]) -> WireExpectation:
+    if await (await conn.execute(_pg(_ANY_TURN), key)).fetchone() is None:
+        return WireExpectation(False, None, [])
+    base = await (await conn.execute(_pg(_LAST_BASELINE), key)).fetchone()
+    failed = [r["failed_text"] for r in await (await conn.execute(_pg(_TRAILING_FAILED), key)).fetchall()]
+    return WireExpectation(True, base["baseline_json"] if base else None, failed)
+
+
 class SQLiteWireLedger:
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         raise NotImplementedError
@@ -135,14 +159,12 @@ class SQLiteWireLedger:
                                                                           (user_id, chat_id, job_id))])
 
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
-        key = (user_id, chat_id, member_id)
+        return await self._run(lambda db: _sqlite_expectation(db, (user_id, chat_id, member_id)))
 
-        def q(db: sqlite3.Connection) -> WireExpectation:
-            if db.execute(_ANY_TURN, key).fetchone() is None:
-                return WireExpectation(False, None, [])
-            base = db.execute(_LAST_BASELINE, key).fetchone()
-            failed = [r[0] for r in db.execute(_TRAILING_FAILED, key)]
-            return WireExpectation(True, base[0] if base else None, failed)
+    async def wire_settle_view(self, user_id: str, chat_id: str, member_id: str, job_id: str) -> WireSettleView:
+        def q(db: sqlite3.Connection) -> WireSettleView:
+            records = [_record(r) for r in db.execute(_RECORDS_OF_JOB, (user_id, chat_id, job_id))]
+            return WireSettleView(records, _sqlite_expectation(db, (user_id, chat_id, member_id)))
 
         return await self._run(q)
 
@@ -184,14 +206,13 @@ class PostgresWireLedger:
         return await self._tx(q)
 
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
-        key = (user_id, chat_id, member_id)
+        return await self._tx(lambda conn: _postgres_expectation(conn, (user_id, chat_id, member_id)))
 
-        async def q(conn: Any) -> WireExpectation:
-            if await (await conn.execute(_pg(_ANY_TURN), key)).fetchone() is None:
-                return WireExpectation(False, None, [])
-            base = await (await conn.execute(_pg(_LAST_BASELINE), key)).fetchone()
-            failed = [r["failed_text"] for r in await (await conn.execute(_pg(_TRAILING_FAILED), key)).fetchall()]
-            return WireExpectation(True, base["baseline_json"] if base else None, failed)
+    async def wire_settle_view(self, user_id: str, chat_id: str, member_id: str, job_id: str) -> WireSettleView:
+        async def q(conn: Any) -> WireSettleView:
+            cur = await conn.execute(_pg(_RECORDS_OF_JOB), (user_id, chat_id, job_id))
+            records = [_record(r) for r in await cur.fetchall()]
+            return WireSettleView(records, await _postgres_expectation(conn, (user_id, chat_id, member_id)))
 
         return await self._tx(q)
 

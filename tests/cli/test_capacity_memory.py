@@ -51,7 +51,7 @@ async def turn(d: RunningDaemon, fx: LoopbackFixture, chat: Chat, message: str, 
 
 async def test_the_budget_retires_the_lru_idle_resident_never_one_in_a_turn(tmp_path, sandbox_image) -> None:
     with LoopbackFixture.start() as fx:
-        fx.add_rules(stall(45, match="a2 is a long turn"))
+        fx.add_rules(stall(20, match="a2 is a long turn"))  # outlasts b1 and c1 (c1 waits out b's 2 s grace)
         settings = daemon_settings(tmp_path / "home", fx.base_url, sandbox_image, resident_memory_mb=BUDGET_MB,
                                    memory_refresh_s=0.5)
         async with running_daemon(settings) as d:

@@ -173,7 +173,7 @@ async def stop_while_the_reply_streams(fx, home: Path, image: str, docker_client
 async def test_kill_9_while_the_reply_streams_commits_the_turn_once(fx, tmp_path, sandbox_image,
                                                                     docker_client) -> None:
     await stop_while_the_reply_streams(fx, tmp_path / "home", sandbox_image, docker_client, DaemonProcess.kill9,
-                                       hold_s=20)
+                                       hold_s=12)
 
 
 async def test_sigterm_while_the_reply_streams_commits_the_turn_once(fx, tmp_path, sandbox_image,
@@ -181,7 +181,7 @@ async def test_sigterm_while_the_reply_streams_commits_the_turn_once(fx, tmp_pat
     """A graceful stop leaves the turn to the next daemon (the proxy service keeps it as the
     member's running turn). The daemon's own shutdown waits up to 10 s for open HTTP answers."""
     await stop_while_the_reply_streams(fx, tmp_path / "home", sandbox_image, docker_client,
-                                       DaemonProcess.terminate, hold_s=30)
+                                       DaemonProcess.terminate, hold_s=22)
 
 
 async def test_a_forged_keeper_identity_is_refused(fx, tmp_path, sandbox_image, docker_client) -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,10 @@ import httpx
 import uvicorn
 
 from runner.config import Settings, load_settings
-from runner.proxy_client import stop_service
+from runner.model_path import ModelPath, service_config
+from runner.proxy_client import service_status, stop_service
 from runner.proxy_protocol import ServicePaths
+from runner.proxy_service import run_service
 from runner.serve import Daemon, build_daemon
 from runner.turn import TestHooks
 
@@ -95,7 +97,32 @@ class RunningDaemon:
 
 
 @asynccontextmanager
-async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None) -> AsyncIterator[RunningDaemon]:
+async def in_process_service(model_path: ModelPath) -> AsyncIterator[None]:
+    """The daemon's model proxy service, served from this process's event loop: the daemon
+    attaches to it over its control socket exactly as to the detached process (same build,
+    same configuration) but no process is started per test (each costs ~1.2 s on this
+    machine, ~250 daemons a suite run). The process itself — detaching, outliving the daemon —
+    is what the subprocess daemons (``daemon_process``) and tests/unit/test_proxy_service.py
+    exercise."""
+    config = service_config(model_path.settings, model_path.config)
+    config.paths.prepare()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_service, config)
+        with anyio.fail_after(60):
+            while await service_status(config.paths) is None:
+                await anyio.sleep(0.01)
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stop_service(config.paths)
+
+
+@asynccontextmanager
+async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None,
+                         proxy_process: bool = False) -> AsyncIterator[RunningDaemon]:
+    """``proxy_process``: the model proxy service as the detached process production runs
+    (by default, in this process: :func:`in_process_service`)."""
     port = free_port()
     settings = settings.model_copy(update={"listen_port": port})
     daemon = build_daemon(settings, hooks=hooks)
@@ -103,8 +130,10 @@ async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None) 
                             lifespan="on")
     server = uvicorn.Server(config)
     TEST_HOMES.add(settings.home)
+    model_path = daemon.supervisor.model_path
+    local = nullcontext() if proxy_process or model_path.in_daemon else in_process_service(model_path)
     try:
-        async with anyio.create_task_group() as tg:
+        async with local, anyio.create_task_group() as tg:
             tg.start_soon(server.serve)
             with anyio.fail_after(60):
                 while not server.started:

@@ -142,7 +142,7 @@ async def one_start(d: Any, fx: Any, runtime: str, variant: str, env: dict[str, 
     dirs = sup.manager.member_dirs(member)
     trace = f"{dirs.run_dir}/{TRACE}"
     await sup.manager.engine.exec_run(sandbox.container_id, ["rm", "-f", trace])
-    gateway = sup.runner.gateway(runtime, user, chat, member)
+    gateway = await sup.runner.gateway(runtime, user, chat, member)
     driver, launch = variant_launch(sup, runtime, env, trace, member_paths(dirs), gateway, resume)
     since = fx.requests()[-1].seq if fx.requests() else 0
     wall_minus_mono = time.time() - time.monotonic()

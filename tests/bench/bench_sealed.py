@@ -176,7 +176,7 @@ async def bench_runtime(sup: Any, runtime: str, rounds: int, live: int, host: tu
             order = ("sealed", "direct") if r % 2 == 0 else ("direct", "sealed")
             for name in order:
                 member = f"{name}-{r}"
-                gw = sup.runner.gateway(runtime, user, chat, member) if name == "sealed" else direct_gw
+                gw = await sup.runner.gateway(runtime, user, chat, member) if name == "sealed" else direct_gw
                 arm = arms[name] or Arm(name, gw, member)
                 arm.gateway, arm.member = gw, member  # a fresh member (NEW) each round
                 arms[name] = arm

@@ -26,6 +26,7 @@ breakdown of the daemon's LIVE turns. The load average is printed with the figur
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import tempfile
@@ -101,6 +102,8 @@ class Bare:
 
     async def start(self, sandbox: Any, resume: Locator | None = None) -> None:
         gateway = self.sup.runner.gateway(self.runtime, self.user, self.chat, self.member)
+        if inspect.isawaitable(gateway):  # async since the proxy service (a bench of an older commit runs too)
+            gateway = await gateway
         launch = self.driver.plan(member_paths(self.dirs), gateway, resume)
         proc = await start_in_sandbox(self.sup.manager, sandbox, self.dirs, launch, name="bare")
         self.session = self.driver.session(exec_transport(proc.stream), launch)

@@ -113,6 +113,7 @@ class Arm:
     gateway: GatewayConfig
     member: str
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    requests: list[int] = field(default_factory=list)  # model requests per round (NEW + LIVE turns + RESTORED)
 
 
 class Member:
@@ -184,6 +185,7 @@ async def bench_runtime(sup: Any, runtime: str, rounds: int, live: int, host: tu
                 await one_round(sup, sandbox, runtime, arm, live, r)
                 after = (host_fixture_count(*host), in_netns_count(pid, direct_token))
                 grew = (after[0] - before[0], after[1] - before[1])
+                arm.requests.append(max(grew))
                 # each arm reached its own model only
                 assert (grew[0] > 0 and grew[1] == 0) if name == "sealed" else (grew[0] == 0 and grew[1] > 0), \
                     (runtime, name, grew)
@@ -222,7 +224,8 @@ def table(results: dict[str, dict[str, Arm]], *, header: bool) -> str:
         for p in PHASES:
             s, d = statistics.median(arms["sealed"].times[p]), statistics.median(arms["direct"].times[p])
             cells.append(f"{s:16.1f}{d:16.1f}{s / d:7.3f}")
-        lines.append(f"{runtime:9}" + "".join(cells))
+        reqs = "/".join(str(statistics.median(arms[a].requests)) for a in ("sealed", "direct"))
+        lines.append(f"{runtime:9}" + "".join(cells) + f"   model requests a round (sealed/direct): {reqs}")
     return "\n".join(lines)
 
 

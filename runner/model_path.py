@@ -100,6 +100,9 @@ class ModelPath:
         self.relay = None if self.in_daemon else ProxyMetricsRelay(self.registry)
         self._ops: ProxyOps | None = None
         self._client: ProxyServiceClient | None = None
+        # chat_key -> (the connection that opened its socket, the path): a turn's open is a
+        # round trip to the service only when this connection has not opened it yet
+        self._opened: dict[str, tuple[object, Path]] = {}
         if not self.in_daemon:
             ServicePaths(settings.home).check()  # the control socket's address fits, or the daemon does not start
 
@@ -175,13 +178,23 @@ class ModelPath:
         return container_name(user_id, chat_id)
 
     async def open(self, user_id: str, chat_id: str) -> Path:
+        """The chat's socket listens (idempotent). Every turn asks; once this connection to the
+        proxy has opened it, the answer is known (a reconnect replays every open: ``_replay``)."""
         key = self.chat_key(user_id, chat_id)
         self.chats[key] = _Chat(user_id, chat_id)
-        return await self._proxy().open(key, user_id, chat_id, self.manager.socket_dir(user_id, chat_id))
+        link = self._client.link if self._client is not None else self._ops
+        known = self._opened.get(key)
+        if known is not None and link is not None and known[0] is link:
+            return known[1]
+        path = await self._proxy().open(key, user_id, chat_id, self.manager.socket_dir(user_id, chat_id))
+        if link is not None:
+            self._opened[key] = (link, path)
+        return path
 
     async def close(self, user_id: str, chat_id: str) -> None:
         key = self.chat_key(user_id, chat_id)
         self.chats.pop(key, None)
+        self._opened.pop(key, None)
         for table in (self.members, self.jobs):
             for k in [k for k in table if k[0] == key]:
                 del table[k]

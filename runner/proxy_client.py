@@ -212,6 +212,11 @@ class ProxyServiceClient:
                     self._ready = anyio.Event()
             await anyio.sleep(RETRY_S)
 
+    @property
+    def link(self) -> LinkOps | None:
+        """The live, replayed connection (a new object after every reconnect), or None."""
+        return self._ops
+
     async def _call(self, fn: Callable[[LinkOps], Awaitable[T]], wait_s: float) -> T:
         for _ in range(2):  # a connection lost under the request: once more on the next one
             with anyio.move_on_after(wait_s):

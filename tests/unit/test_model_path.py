@@ -119,3 +119,32 @@ async def test_captured_texts_are_purged_after_the_retention(path: ModelPath) ->
     assert await path.purge_capture() == 1
     (row,) = rows(path.store, "wire_records")
     assert row["capture_json"] is None and json.loads(row["record_json"])["digest"] == [d("user", "a")]
+
+
+async def test_a_turns_open_asks_the_proxy_once_per_connection(path: ModelPath, tmp_path) -> None:
+    """Every turn opens its chat's socket; once the current connection to the proxy has opened
+    it the answer is known, and a new connection (a reconnect: it replays every open) asks again."""
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+
+    class Ops:
+        async def open(self, key: str, user_id: str, chat_id: str, directory: Any) -> Any:
+            calls.append(key)
+            return tmp_path / key / "model.sock"
+
+        async def close(self, key: str) -> None:
+            calls.append(f"close {key}")
+
+    path.manager = SimpleNamespace(socket_dir=lambda u, c: tmp_path / c)  # type: ignore[assignment]
+    first = Ops()
+    path._ops = first  # type: ignore[assignment]
+    p1 = await path.open(U, C)
+    assert await path.open(U, C) == p1 and await path.open(U, C) == p1
+    assert calls == [container_name(U, C)]
+    path._ops = Ops()  # type: ignore[assignment]  # another connection
+    assert await path.open(U, C) == p1
+    assert calls == [container_name(U, C)] * 2
+    await path.close(U, C)  # closed: the next turn's open asks again
+    await path.open(U, C)
+    assert calls == [container_name(U, C)] * 2 + [f"close {container_name(U, C)}", container_name(U, C)]

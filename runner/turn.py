@@ -31,6 +31,7 @@ from drivers.registry import get_driver
 from drivers.session import NativeSession, TurnStart
 from drivers.transport import Transport
 from images.pins import load_pins
+from runner.alongside import alongside
 from runner.processes import member_paths, start_in_sandbox
 from runner.keepers import Keepers
 from runner.hooks import TestHooks
@@ -63,6 +64,7 @@ from state.jobs import Job
 from state.contract import VerifiedIn
 from state.keepers import KeeperRecord, KeeperTurn
 from state.receipts import ContextStatus, Outcome, Receipt, Timings
+from state.records import MemberRecord
 from state.store import MemberOutcome, Store, VerifiedTurn
 from telemetry.turn_trace import mark
 
@@ -135,7 +137,12 @@ class TurnRunner:
             keeper=keeper,
         )
         with anyio.CancelScope(shield=True):
-            await self.store.finish_job(receipt.user_id, receipt.job_id, receipt.model_dump_json(), member)
+            # the verdict is taken: the member's requests stop belonging to the job while the
+            # store commits (a turn being committed is never one left to the next daemon)
+            ctx.attribution_ended = True
+            await alongside(lambda: self._end_of_turn(ctx.job),
+                            lambda: self.store.finish_job(receipt.user_id, receipt.job_id,
+                                                          receipt.model_dump_json(), member))
         mark("committed")
         log.info("turn.committed", job_id=receipt.job_id, runtime=receipt.runtime,
                  status=receipt.context_status, outcome=receipt.outcome, reason=receipt.reason,
@@ -147,17 +154,25 @@ class TurnRunner:
     async def execute(self, job: Job, emit: Emit) -> Receipt:
         ctx = TurnContext(job=job, emit=emit)
         key = (job.user_id, job.chat_id, job.member_id)
-        await self.model_path.begin(job)
         left = False
         try:
+            ctx.member = await self._begin(job, key)
             return await self._execute(ctx, key)
         except BaseException:
             left = self.detaching
             raise
         finally:
-            await self._end_of_turn(job, left=left)
+            if not ctx.attribution_ended:
+                await self._end_of_turn(job, left=left)
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)  # a replacement by another member may go on
+
+    async def _begin(self, job: Job, key: tuple[str, str, str]) -> MemberRecord | None:
+        """The proxy learns that the member's requests belong to ``job`` while the store reads the
+        member; both are done before the turn can reach the CLI."""
+        member = await alongside(lambda: self.model_path.begin(job), lambda: self.store.get_member(*key))
+        mark("member_read")
+        return member
 
     async def retire_container(self, container_id: str) -> None:
         """Before a replacement removes a container: its resident processes are retired."""
@@ -171,10 +186,9 @@ class TurnRunner:
         ctx = TurnContext(job=job, emit=lambda event: None, started_at=turn.started_at,
                           timings=Timings.model_validate_json(turn.timings_json),
                           status=ContextStatus(turn.context_status) if turn.context_status else None)
-        await self.model_path.begin(job)  # the CLI's model requests still belong to this job
         left = False
         try:
-            ctx.member = await self.store.get_member(*key)
+            ctx.member = await self._begin(job, key)  # the CLI's model requests still belong to this job
             resident = self.pool.get(key)
             try:
                 ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id)
@@ -194,11 +208,12 @@ class TurnRunner:
             left = self.detaching
             raise
         finally:
-            await self._end_of_turn(job, left=left)
+            if not ctx.attribution_ended:
+                await self._end_of_turn(job, left=left)
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)
 
-    async def _end_of_turn(self, job: Job, *, left: bool) -> None:
+    async def _end_of_turn(self, job: Job, *, left: bool = False) -> None:
         """The member's requests no longer belong to ``job`` — unless the turn was ``left`` to
         the next daemon (this one is shutting down under it): the proxy service, which outlives
         this daemon, keeps attributing the CLI's requests to the turn meanwhile."""
@@ -225,10 +240,7 @@ class TurnRunner:
         return await self._run(ctx, key, session)
 
     async def _prepare(self, ctx: TurnContext, key: tuple[str, str, str]) -> NativeSession:
-        job = ctx.job
-        member = await self.store.get_member(*key)
-        mark("member_read")
-        ctx.member = member
+        job, member = ctx.job, ctx.member
         if member is not None and member.runtime != job.runtime:
             raise Refusal("runtime_mismatch", status=None, sticky=False)
         saved = member.locator if member else None

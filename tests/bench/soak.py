@@ -1,18 +1,23 @@
-"""Soak: the daemon's RSS and open file descriptors stay flat over thousands of turns.
+"""Soak: the daemon's and its model proxy service's RSS and open file descriptors stay flat
+over thousands of turns.
 
     uv run python tests/bench/soak.py [--minutes 10] [--chats 6] [--warmup-frac 0.2]
 
 The daemon runs as its own process (`cloud-agent serve`) against an out-of-process loopback
-fixture, so only the daemon is measured. Codex (the fastest CLI) chats run turns back to
-back; every 25th turn of a chat first retires its member (a RESTORED turn: launch, resume,
-retire paths too). Every 5 s the daemon's VmRSS and open fds are sampled; after the warm-up
-fraction of the run, max/min of each must stay within 10%.
+fixture, so only the daemon and its proxy service (a process of their own since issue 12) are
+measured. Codex (the fastest CLI) chats run turns back to back; every 25th turn of a chat first
+retires its member (a RESTORED turn: launch, resume, retire paths too). Every 5 s both
+processes' VmRSS and open fds are sampled and a per-minute series is printed. After the warm-up
+fraction of the run: RSS max/min within 10%, and no trend — the last quarter's median within
+10% of the first warm quarter's (fds: within 10% or ``--chats``, the streams that come and go
+with the turns in flight).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +52,9 @@ def start_fixture() -> tuple[subprocess.Popen[str], str]:
 async def main(args: argparse.Namespace) -> None:
     image = ensure_image()
     fixture, url = start_fixture()
-    samples: list[tuple[float, int, int]] = []
+    samples: list[tuple[float, int, int]] = []  # (s since start, RSS bytes, open fds): the daemon
+    service: list[tuple[float, int, int]] = []  # the same for its model proxy service
+    turns_at: list[int] = []  # turns done at each sample
     counts = {"turns": 0, "failed": 0, "restored": 0}
     failures: list[str] = []
     try:
@@ -76,10 +83,14 @@ async def main(args: argparse.Namespace) -> None:
                         elif '"context_status": "RESTORED"' in last:
                             counts["restored"] += 1
 
+                service_pid = int((Path(tmp) / "home" / "proxy" / "service.pid").read_text())
+
                 async def sampler() -> None:
                     while True:
-                        rss, fds = rss_and_fds(pid)
-                        samples.append((time.monotonic() - t0, rss, fds))
+                        at = time.monotonic() - t0
+                        samples.append((at, *rss_and_fds(pid)))
+                        service.append((at, *rss_and_fds(service_pid)))
+                        turns_at.append(counts["turns"])
                         await anyio.sleep(5)
 
                 async with anyio.create_task_group() as tg:
@@ -94,20 +105,32 @@ async def main(args: argparse.Namespace) -> None:
                 client_docker.api.remove_container(row["Id"], force=True)
     finally:
         fixture.terminate()
-    warm = [s for s in samples if s[0] >= args.warmup_frac * wall]
-    rss = [s[1] for s in warm]
-    fds = [s[2] for s in warm]
-    mib = 1024 * 1024
     print(f"{counts['turns']} turns in {wall:.0f} s ({counts['turns'] / wall:.1f} turns/s), "
           f"{counts['restored']} RESTORED, {counts['failed']} failed {failures[:3]}")
-    print(f"daemon RSS after warm-up ({len(warm)} samples): min {min(rss) / mib:.1f} MiB, "
-          f"max {max(rss) / mib:.1f} MiB, growth {100 * (max(rss) / min(rss) - 1):.1f}% "
-          f"(first {samples[0][1] / mib:.1f}, last {samples[-1][1] / mib:.1f})")
-    print(f"daemon open fds after warm-up: min {min(fds)}, max {max(fds)}, growth {100 * (max(fds) / min(fds) - 1):.1f}%"
-          f" (first {samples[0][2]}, last {samples[-1][2]})")
-    flat = max(rss) <= 1.1 * min(rss) and max(fds) <= 1.1 * min(fds)
-    print("flat within 10% after warm-up" if flat else "NOT flat within 10%")
+    mib = 1024 * 1024
+    print(f"{'min':>4} {'turns':>6} {'daemon RSS':>11} {'fds':>4} {'service RSS':>12} {'fds':>4}")
+    for i in range(0, len(samples), 12):  # a row a minute
+        (at, rss, fds), (_, s_rss, s_fds) = samples[i], service[i]
+        print(f"{at / 60:4.0f} {turns_at[i]:6d} {rss / mib:9.1f}Mi {fds:4d} {s_rss / mib:10.1f}Mi {s_fds:4d}")
+    flat = all([report("daemon", samples, wall, args), report("proxy service", service, wall, args)])
+    print("flat after warm-up" if flat else "NOT flat after warm-up")
 
+
+def report(name: str, samples: list[tuple[float, int, int]], wall: float, args: argparse.Namespace) -> bool:
+    warm = [s for s in samples if s[0] >= args.warmup_frac * wall]
+    quarter = max(1, len(warm) // 4)
+    mib = 1024 * 1024
+    ok = True
+    for label, col, unit, slack in (("RSS", 1, mib, 0), ("open fds", 2, 1, args.chats)):
+        xs = [s[col] for s in warm]
+        first, last = statistics.median(xs[:quarter]), statistics.median(xs[-quarter:])
+        spread = max(xs) <= 1.1 * min(xs) or max(xs) - min(xs) <= slack
+        trend = last <= 1.1 * first or last - first <= slack
+        ok = ok and spread and trend
+        print(f"{name} {label} after warm-up ({len(xs)} samples): min {min(xs) / unit:.1f}, max {max(xs) / unit:.1f}"
+              f" ({'ok' if spread else 'over'}); median first warm quarter {first / unit:.1f} -> last quarter "
+              f"{last / unit:.1f} ({'ok' if trend else 'growing'})")
+    return ok
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

@@ -188,7 +188,7 @@ async def bench(args: argparse.Namespace, variants: dict[str, dict[str, str]]) -
     logs = Path(args.logs) if args.logs else None
     with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
         settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
-        async with running_daemon(settings) as d:
+        async with running_daemon(settings, proxy_process=True) as d:
             user = "bench"
             chats: list[str] = []
             try:

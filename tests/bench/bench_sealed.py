@@ -203,7 +203,7 @@ async def main(args: argparse.Namespace) -> None:
     with fixture_process(host_port) as host_token, tempfile.TemporaryDirectory() as tmp:
         settings = daemon_settings(Path(tmp) / "home", f"http://127.0.0.1:{host_port}", image)
         try:
-            async with running_daemon(settings) as d:
+            async with running_daemon(settings, proxy_process=True) as d:
                 sup = d.daemon.supervisor
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(sup, runtime, args.rounds, args.live, (host_port, host_token))

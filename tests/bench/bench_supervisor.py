@@ -286,7 +286,7 @@ async def main(args: argparse.Namespace) -> None:
     client = docker.from_env()
     with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
         settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
-        async with running_daemon(settings, hooks=hooks) as d, anyio.create_task_group() as client_tg:
+        async with running_daemon(settings, hooks=hooks, proxy_process=True) as d, anyio.create_task_group() as client_tg:
             sup = d.daemon.supervisor
             if args.client == "process":
                 d.remote = await RemoteClient.start(d.url, TOKEN, client_tg)

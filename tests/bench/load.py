@@ -37,7 +37,7 @@ async def main(args: argparse.Namespace) -> None:
             overrides["max_turns"] = args.max_turns
         settings = daemon_settings(Path(tmp) / "home", fx.base_url, image, **overrides)
         try:
-            async with running_daemon(settings) as d:
+            async with running_daemon(settings, proxy_process=True) as d:
                 sampler = MemorySampler(settings.resolved_host_id())
                 result = await run_load(d, fx, chats_for(args.chats), args.turns, sampler)
         finally:

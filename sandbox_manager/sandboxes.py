@@ -232,8 +232,13 @@ class SandboxManager(ChatContainers, MemberProcesses):
         """:meth:`remove` under the chat's lock (no resolve of this chat recreates the container
         meanwhile; the caller retires its residents first): the native state goes for good.
         The record is left to the caller. True when a container or the volume was removed."""
-        async with self._chat_lock(user_id, chat_id):
+        lock = self._chat_lock(user_id, chat_id)
+        async with lock:
             removed = await self.remove(user_id, chat_id)
+        if not lock.locked() and lock.statistics().tasks_waiting == 0:
+            # the chat is gone: its lock goes too (SPEC 13: state maps are pruned). Nobody holds
+            # or waits for it; a later resolve of the same ids gets a fresh one
+            self._chat_locks.pop((user_id, chat_id), None)
         return removed.container or removed.volume
 
     async def remove_volume(self, user_id: str, chat_id: str, rec: SandboxRecord | None = None) -> bool:

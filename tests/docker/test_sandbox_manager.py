@@ -353,6 +353,8 @@ async def test_destroy_removes_container_and_volume(manager: SandboxManager, doc
     sb = await manager.resolve(user, chat)
     manager.release(sb)
     assert await manager.destroy(user, chat) is True
+    # nothing of the chat stays in the manager's maps (a host deletes chats all day long)
+    assert ((user, chat) in manager._chat_locks, sb.container_id in manager._marker_seen) == (False, False)
     with pytest.raises(docker.errors.NotFound):
         docker_client.api.inspect_container(sb.container_id)
     with pytest.raises(docker.errors.NotFound):

@@ -19,9 +19,13 @@ import tempfile
 from pathlib import Path
 
 import anyio
+import docker
 
 from deploy.loopback import LoopbackFixture
 from images.build import ensure_image
+from tests.daemon_harness import test_host_id
+from tests.regression.conftest import remove_host_containers
+from tests.support.proxy_services import end_strays
 from tests.support.restarts import run_restart_rounds
 
 
@@ -32,8 +36,14 @@ def med(xs: list[float]) -> str:
 async def main(runtime: str, n_chats: int, restarts: int, hold_s: float) -> None:
     image = ensure_image()
     home = Path(tempfile.mkdtemp(prefix="bench-keeper-restart-")) / "home"
-    with LoopbackFixture.start() as fx:
-        r = await run_restart_rounds(fx, home, image, runtime, n_chats, restarts, hold_s=hold_s, timings=True)
+    try:
+        with LoopbackFixture.start() as fx:
+            r = await run_restart_rounds(fx, home, image, runtime, n_chats, restarts, hold_s=hold_s, timings=True)
+    finally:
+        # the residents live on under their keepers after the last daemon (that is the point):
+        # the bench removes its sandboxes and volumes and stops its proxy service itself
+        remove_host_containers(docker.from_env(), test_host_id(home))
+        end_strays({home}, None)
     print(f"{runtime}: {n_chats} chats, {restarts} kill -9 restarts, each with {n_chats} turns in flight")
     print(f"LIVE turn                           {med(r.live_ms)}")
     print(f"RESTORED turn (after a retire)      {med(r.restored_ms)}   "

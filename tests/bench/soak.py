@@ -36,6 +36,7 @@ import httpx
 
 from images.build import ensure_image
 from tests.daemon_harness import TOKEN, daemon_process
+from tests.regression.conftest import remove_host_containers
 from tests.supervisor_helpers import Chat
 
 
@@ -113,9 +114,7 @@ async def main(args: argparse.Namespace) -> None:
                             chats.start_soon(chat_loop, i)
                     tg.cancel_scope.cancel()
             wall = time.monotonic() - t0
-            client_docker = docker.from_env()
-            for row in client_docker.api.containers(all=True, filters={"label": f"org.cloud-agent.host-id={host_id}"}):
-                client_docker.api.remove_container(row["Id"], force=True)
+            remove_host_containers(docker.from_env(), host_id)  # and their state volumes
     finally:
         fixture.terminate()
     print(f"{counts['turns']} turns in {wall:.0f} s ({counts['turns'] / wall:.1f} turns/s), "

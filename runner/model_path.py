@@ -220,9 +220,13 @@ class ModelPath:
         await self._tell("begin", lambda p: p.begin(key, mk, job.member_id, job.job_id))
 
     async def end(self, job: Job) -> None:
+        """The member's requests no longer belong to ``job``. Idempotent: once ended (or when a
+        later turn of the member began) there is nothing to tell — the proxy's view is this one,
+        replayed on every connection."""
         key, mk = self.chat_key(job.user_id, job.chat_id), member_key(job.member_id)
-        if self.jobs.get((key, mk)) == job.job_id:
-            del self.jobs[(key, mk)]
+        if self.jobs.get((key, mk)) != job.job_id:
+            return
+        del self.jobs[(key, mk)]
         await self._tell("end", lambda p: p.end(key, mk, job.job_id))
 
     async def keep_turns(self, job_ids: list[str]) -> None:

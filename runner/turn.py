@@ -138,8 +138,8 @@ class TurnRunner:
         )
         with anyio.CancelScope(shield=True):
             # the verdict is taken: the member's requests stop belonging to the job while the
-            # store commits (a turn being committed is never one left to the next daemon)
-            ctx.attribution_ended = True
+            # store commits (a turn being committed is never one left to the next daemon; the
+            # end its ``finally`` asks for again is then a no-op)
             await alongside(lambda: self._end_of_turn(ctx.job),
                             lambda: self.store.finish_job(receipt.user_id, receipt.job_id,
                                                           receipt.model_dump_json(), member))
@@ -162,8 +162,7 @@ class TurnRunner:
             left = self.detaching
             raise
         finally:
-            if not ctx.attribution_ended:
-                await self._end_of_turn(job, left=left)
+            await self._end_of_turn(job, left=left)
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)  # a replacement by another member may go on
 
@@ -208,8 +207,7 @@ class TurnRunner:
             left = self.detaching
             raise
         finally:
-            if not ctx.attribution_ended:
-                await self._end_of_turn(job, left=left)
+            await self._end_of_turn(job, left=left)
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)
 

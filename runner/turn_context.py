@@ -74,7 +74,6 @@ class TurnContext:
     # SPEC 15: the member's native state was last verified in another container / on another image
     recreated: bool = False
     upgraded_from: UpgradedFrom | None = None
-    attribution_ended: bool = False  # the proxy was told the member's requests no longer belong to the job
 
     def ms_since(self, t: float) -> int:
         return int((time.monotonic() - t) * 1000)

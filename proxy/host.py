@@ -31,7 +31,7 @@ from .http1 import ClientConnection
 from .keys import KeySource
 from .metrics import ProxyMetrics
 from .records import WireRecord, WireSink
-from .sockets import SocketStream, UnixListener
+from .sockets import SocketStream, UnixListener, take_handoff
 from .upstream import Connector, Timeouts, Upstream
 
 log = structlog.get_logger("proxy")
@@ -200,9 +200,17 @@ class ProxyHost:
 
     async def _connection(self, sb: _Sandbox, stream: SocketStream) -> None:
         assert self._ctx is not None
-        conn = ClientConnection(stream, self.config.limits())
+        limits = self.config.limits()
+        conn: ClientConnection | None = None
         sb.connections += 1
         try:
+            served: SocketStream | None = None
+            # the CLI's own connection, handed over by the sandbox's gate (or this one's HTTP)
+            with anyio.move_on_after(limits.idle_timeout_s):
+                served = await take_handoff(stream)
+            if served is None:
+                return
+            conn = ClientConnection(served, limits)
             if sb.connections > self.config.max_connections_per_sandbox:
                 self.metrics.rejected.labels(reason="too_many_connections").inc()
                 await conn.answer_and_close(503, "too_many_connections",
@@ -227,7 +235,10 @@ class ProxyHost:
             log.exception("proxy.connection_failed", chat_key=sb.chat_key)
         finally:
             sb.connections -= 1
-            await conn.close()
+            if conn is not None:
+                await conn.close()
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
 
     def _count_bad_input(self, conn: ClientConnection) -> None:
         if conn.answered_error is not None:

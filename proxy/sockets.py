@@ -1,4 +1,5 @@
-"""Unix-socket listener and byte stream on the event loop's own ``sock_*`` coroutines.
+"""Unix-socket listener and byte stream on the event loop's own ``sock_*`` coroutines, and
+the hand-off of a sandbox's TCP connection over that socket.
 
 Why not anyio's ``create_unix_listener`` streams: on asyncio they wait for readiness with a
 raw ``add_reader(fd, future.set_result)``; a cancellation that lands between the socket
@@ -6,10 +7,19 @@ becoming ready and that callback running makes the loop raise ``InvalidStateErro
 here when a sandbox closed while its keep-alive connection ended). ``loop.sock_accept`` /
 ``sock_recv`` / ``sock_sendall`` handle that race (bpo-30064). The interface stays anyio's
 ``ByteStream``, so everything above this module is backend-neutral code.
+
+A connection on a sandbox's socket either speaks HTTP itself or, from the sandbox's
+``ca-modelgate``, carries the CLI's own TCP connection as a descriptor (``SCM_RIGHTS``) with
+one byte, ``HANDOFF``: :func:`take_handoff` tells the two apart and returns the stream to
+serve. The proxy then answers on the CLI's connection directly (no byte-copying hop in the
+sandbox). A descriptor is used only if it is a connected TCP stream socket; anything else a
+sandbox might send (a file, a pipe, a listening or unix socket, several descriptors) is
+closed and the connection dropped.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import os
 import socket
@@ -25,11 +35,16 @@ class SocketStream(ByteStream):
     no timer, no loop round-trip per SSE frame) and only waits, at most ``send_timeout_s``,
     for a peer that stopped reading."""
 
-    def __init__(self, sock: socket.socket, send_timeout_s: float = 120.0) -> None:
+    def __init__(self, sock: socket.socket, send_timeout_s: float = 120.0, *, pending: bytes = b"") -> None:
         sock.setblocking(False)
         self._sock = sock
         self._closed = False
         self.send_timeout_s = send_timeout_s
+        self._pending = pending  # read already (while looking for a hand-off): the stream's first bytes
+
+    @property
+    def socket(self) -> socket.socket:
+        return self._sock
 
     def _error(self, exc: OSError) -> Exception:
         return anyio.ClosedResourceError() if self._closed else anyio.BrokenResourceError()
@@ -37,6 +52,9 @@ class SocketStream(ByteStream):
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if self._closed:
             raise anyio.ClosedResourceError
+        if self._pending:
+            data, self._pending = self._pending[:max_bytes], self._pending[max_bytes:]
+            return data
         try:
             data = await asyncio.get_running_loop().sock_recv(self._sock, max_bytes)
         except OSError as exc:
@@ -117,3 +135,75 @@ async def connect_unix(path: Path, send_timeout_s: float = 120.0) -> SocketStrea
         sock.close()
         raise
     return SocketStream(sock, send_timeout_s)
+
+
+HANDOFF = b"F"  # the byte ca-modelgate sends with the CLI's connection
+_MAX_FDS = 4  # room to see (and close) a few more than the one a hand-off carries
+
+
+async def _readable(sock: socket.socket) -> None:
+    """Wait until ``sock`` is readable (its own guarded future: see the module's note)."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+def _tcp_connection(fd: int) -> socket.socket | None:
+    """The handed-off descriptor as a socket, if it is a connected TCP stream socket."""
+    try:
+        sock = socket.socket(fileno=fd)  # family and type come from the descriptor itself
+    except OSError:  # ENOTSOCK: a file, a pipe…
+        os.close(fd)
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            raise OSError("not a TCP stream socket")
+        sock.getpeername()  # ENOTCONN: a listening or unconnected socket
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SSE frames are small writes
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+async def take_handoff(stream: SocketStream) -> SocketStream | None:
+    """What to serve on a new connection of a sandbox's socket: the CLI's own TCP connection
+    when one was handed over (``stream`` is closed then), else ``stream`` itself with its first
+    bytes kept. None when the peer closed first or sent a descriptor that is not a connected
+    TCP socket. The caller bounds the wait."""
+    sock = stream.socket
+    while True:
+        await _readable(sock)
+        try:
+            data, ancdata, flags, _ = sock.recvmsg(len(HANDOFF), socket.CMSG_SPACE(_MAX_FDS * 4),
+                                                   socket.MSG_CMSG_CLOEXEC)
+            break
+        except BlockingIOError:
+            continue  # woken with nothing to read after all
+        except OSError:
+            await stream.aclose()
+            return None
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if not fds:
+        if not data:
+            await stream.aclose()
+            return None
+        stream._pending = data + stream._pending
+        return stream
+    await stream.aclose()  # the unix connection only carried the descriptor
+    first, extra = fds[0], list(fds[1:])
+    for fd in extra:
+        os.close(fd)
+    if data != HANDOFF or extra or flags & socket.MSG_CTRUNC:
+        os.close(first)
+        return None
+    conn = _tcp_connection(first)
+    return SocketStream(conn, stream.send_timeout_s) if conn is not None else None

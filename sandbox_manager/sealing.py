@@ -3,7 +3,8 @@ model socket.
 
 The host proxy's per-sandbox directory is mounted read-only at ``MODEL_DIR``, and the
 container's command (``ca-modelgate``) forwards ``127.0.0.1:MODEL_PORT`` of the sandbox's
-own network namespace to the socket inside it.
+own network namespace to the socket inside it (each accepted connection is handed to the
+proxy as a descriptor: see proxy.sockets).
 """
 
 from __future__ import annotations

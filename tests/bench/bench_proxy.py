@@ -11,8 +11,9 @@ machine load:
 
 * ``direct``  — client → fixture (TCP), the baseline;
 * ``proxy``   — client → unix socket → proxy → fixture;
-* ``gate``    — client → ca-modelgate (TCP, run on the host) → unix socket → proxy → fixture,
-  the whole sealed path minus the container;
+* ``gate``    — client → ca-modelgate (TCP, run on the host), which hands the connection to the
+  proxy over the unix socket → proxy → fixture: the whole sealed path minus the container (the
+  hand-off happens once per connection; every request after it goes client → proxy directly);
 * ``--container``: the same ``gate`` path measured by a client *inside* a network-none
   container of the pinned image (ca-modelgate as its command), after the interleaved run
   (not interleaved: compare it with care on a loaded machine).

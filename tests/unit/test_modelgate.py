@@ -1,6 +1,8 @@
 """ca-modelgate (images/sandbox/helpers/), run as a process on the host against a real unix
-socket: byte-for-byte both ways, half-close, many connections at once, a socket that is absent
-for a while, and the bounded wait when it never comes."""
+socket: each connection is handed over as a descriptor (the server then talks to the client's
+own TCP connection: byte-for-byte both ways, half-close), many connections at once, the
+connection outlives the gate, a socket that is absent for a while, and the bounded wait when
+it never comes."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def free_port() -> int:
 
 
 class EchoServer:
-    """A unix socket server that echoes each connection and half-closes after the peer's EOF."""
+    """A unix socket server that takes each handed-over TCP connection, checks what came with
+    it, echoes on it and half-closes after the peer's EOF."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -34,6 +37,7 @@ class EchoServer:
         self.sock.bind(str(path))
         self.sock.listen(128)
         self.accepted = 0
+        self.handoffs: list[tuple[bytes, int, int, int]] = []  # (byte, descriptors, family, type)
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -43,7 +47,14 @@ class EchoServer:
             except OSError:
                 return
             self.accepted += 1
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+            with conn:
+                data, fds, _, _ = socket.recv_fds(conn, 16, 4)
+            tcp = socket.socket(fileno=fds[0])
+            tcp.setblocking(True)  # the gate's copy was non-blocking (one open file, shared flags)
+            for extra in fds[1:]:
+                os.close(extra)
+            self.handoffs.append((data, len(fds), tcp.family, tcp.type))
+            threading.Thread(target=self._echo, args=(tcp,), daemon=True).start()
 
     @staticmethod
     def _echo(conn: socket.socket) -> None:
@@ -85,6 +96,24 @@ def test_bytes_both_ways_and_half_close(gate: tuple[int, Path, subprocess.Popen]
         assert exchange(port, payload) == payload + b"<eof seen>"
         # the echo server only answers "<eof seen>" after our half-close reached it, and we could
         # still read after closing our side
+    finally:
+        server.close()
+    # one byte and exactly one descriptor: the client's own TCP stream socket
+    assert server.handoffs == [(b"F", 1, socket.AF_INET, socket.SOCK_STREAM)]
+
+
+def test_a_handed_over_connection_outlives_the_gate(gate: tuple[int, Path, subprocess.Popen]) -> None:
+    """The gate is in no request's path: once handed over, the connection is the server's."""
+    port, path, proc = gate
+    server = EchoServer(path)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(b"before")
+            assert s.recv(100) == b"before"
+            proc.terminate()
+            assert proc.wait(10) == 0
+            s.sendall(b"after the gate exited")
+            assert s.recv(100) == b"after the gate exited"
     finally:
         server.close()
 

@@ -127,7 +127,7 @@ async def running_daemon(settings: Settings, *, hooks: TestHooks | None = None,
     settings = settings.model_copy(update={"listen_port": port})
     daemon = build_daemon(settings, hooks=hooks)
     config = uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None, access_log=False,
-                            lifespan="on")
+                            lifespan="on", http="httptools")  # as runner.serve: the same HTTP parser
     server = uvicorn.Server(config)
     TEST_HOMES.add(settings.home)
     model_path = daemon.supervisor.model_path

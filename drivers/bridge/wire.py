@@ -34,11 +34,16 @@ _BRIDGE_ABORTS = {"aborted", "stream_lost", "permission_failed", "question_faile
 _REJECTED = {"prompt_rejected", "busy", "no_session", "bad_command", "unknown_command", "aborted"}
 
 
+def _aborted(obj: dict[str, Any]) -> bool:
+    reason = obj.get("reason")
+    return isinstance(reason, str) and reason in _BRIDGE_ABORTS  # any JSON may come: a dict is unhashable
+
+
 def failure_reason(obj: dict[str, Any]) -> FailureReason | None:
     """The failure reason of a ``settled`` line (None for a successful turn)."""
     if obj.get("ok") is True:
         return None
-    if obj.get("reason") in _BRIDGE_ABORTS:
+    if _aborted(obj):
         return FailureReason.ABORTED
     err = obj.get("error") if isinstance(obj.get("error"), dict) else {}
     if err.get("name") == "MessageOutputLengthError":
@@ -52,7 +57,7 @@ def settlement_from(obj: dict[str, Any], runtime: str) -> Settlement:
     sid = obj.get("session_id")
     err = obj.get("error") if isinstance(obj.get("error"), dict) else {}
     detail = None if ok else (str(err.get("message") or "") or str(obj.get("reason") or "")) or None
-    if not ok and obj.get("reason") in _BRIDGE_ABORTS:
+    if not ok and _aborted(obj):
         detail = f"{obj.get('reason')}: {detail}" if detail and detail != obj.get("reason") else obj.get("reason")
     text = obj.get("text")
     return Settlement(evidence=f"{runtime}:bridge.settled", is_error=not ok, reason=failure_reason(obj), detail=detail,
@@ -124,7 +129,8 @@ class BridgeTurn(Tracker):
         reason, detail = obj.get("reason"), f"{obj.get('reason')}: {obj.get('detail', '')}"
         if reason in ("stream_lost", "server_exited"):
             return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=detail, assistant_text=self.partial_text())
-        if reason in _REJECTED and obj.get("turn_id") is not None:
+        # a line is the bridge's word, not a schema: a reason that is no string names no rejection
+        if isinstance(reason, str) and reason in _REJECTED and obj.get("turn_id") is not None:
             return NotSettled(reason=NotSettledReason.COMMAND_REJECTED, detail=detail,
                               assistant_text=self.partial_text())
         log.warning("bridge.error", reason=reason, detail=obj.get("detail"))

@@ -282,7 +282,7 @@ class TurnTracker:
             if isinstance(text, str) and text:
                 self._completed.append(text)
             return []
-        if kind not in _TOOL_ITEMS:
+        if not isinstance(kind, str) or kind not in _TOOL_ITEMS:  # any JSON may come: a dict is unhashable
             return []
         if started:
             self._open_tools.add(item_id)

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from drivers.bridge import BridgeDriver
@@ -333,6 +333,7 @@ async def test_fork_and_close() -> None:
                                                                                   "status", "attempt"]),
                                                                 st.none() | st.integers() | st.text(max_size=5)),
     max_size=8)), max_size=15))
+@example(lines=[b'{"type": "error", "reason": {}}'])  # an unhashable reason (found by CI: TypeError)
 def test_garbled_bridge_output_never_crashes(lines: list[bytes]) -> None:
     async def run() -> Any:
         s, _ = await opened(lines)

@@ -35,16 +35,20 @@ class SocketStream(ByteStream):
     no timer, no loop round-trip per SSE frame) and only waits, at most ``send_timeout_s``,
     for a peer that stopped reading."""
 
-    def __init__(self, sock: socket.socket, send_timeout_s: float = 120.0, *, pending: bytes = b"") -> None:
+    def __init__(self, sock: socket.socket, send_timeout_s: float = 120.0) -> None:
         sock.setblocking(False)
         self._sock = sock
         self._closed = False
         self.send_timeout_s = send_timeout_s
-        self._pending = pending  # read already (while looking for a hand-off): the stream's first bytes
+        self._pending = b""  # read already (while looking for a hand-off): the stream's first bytes
 
     @property
     def socket(self) -> socket.socket:
         return self._sock
+
+    def unread(self, data: bytes) -> None:
+        """``data`` comes first from the next ``receive`` (bytes read before the stream was known)."""
+        self._pending = data + self._pending
 
     def _error(self, exc: OSError) -> Exception:
         return anyio.ClosedResourceError() if self._closed else anyio.BrokenResourceError()
@@ -175,7 +179,7 @@ async def take_handoff(stream: SocketStream) -> SocketStream | None:
     """What to serve on a new connection of a sandbox's socket: the CLI's own TCP connection
     when one was handed over (``stream`` is closed then), else ``stream`` itself with its first
     bytes kept. None when the peer closed first or sent a descriptor that is not a connected
-    TCP socket. The caller bounds the wait."""
+    TCP socket (the caller closes ``stream`` then, and bounds the wait)."""
     sock = stream.socket
     while True:
         await _readable(sock)
@@ -186,7 +190,6 @@ async def take_handoff(stream: SocketStream) -> SocketStream | None:
         except BlockingIOError:
             continue  # woken with nothing to read after all
         except OSError:
-            await stream.aclose()
             return None
     fds = array.array("i")
     for level, kind, payload in ancdata:
@@ -194,9 +197,8 @@ async def take_handoff(stream: SocketStream) -> SocketStream | None:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     if not fds:
         if not data:
-            await stream.aclose()
             return None
-        stream._pending = data + stream._pending
+        stream.unread(data)
         return stream
     await stream.aclose()  # the unix connection only carried the descriptor
     first, extra = fds[0], list(fds[1:])

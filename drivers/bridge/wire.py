@@ -34,16 +34,16 @@ _BRIDGE_ABORTS = {"aborted", "stream_lost", "permission_failed", "question_faile
 _REJECTED = {"prompt_rejected", "busy", "no_session", "bad_command", "unknown_command", "aborted"}
 
 
-def _aborted(obj: dict[str, Any]) -> bool:
+def _reason_in(obj: dict[str, Any], reasons: set[str]) -> bool:
     reason = obj.get("reason")
-    return isinstance(reason, str) and reason in _BRIDGE_ABORTS  # any JSON may come: a dict is unhashable
+    return isinstance(reason, str) and reason in reasons  # a line is any JSON: a dict is unhashable
 
 
 def failure_reason(obj: dict[str, Any]) -> FailureReason | None:
     """The failure reason of a ``settled`` line (None for a successful turn)."""
     if obj.get("ok") is True:
         return None
-    if _aborted(obj):
+    if _reason_in(obj, _BRIDGE_ABORTS):
         return FailureReason.ABORTED
     err = obj.get("error") if isinstance(obj.get("error"), dict) else {}
     if err.get("name") == "MessageOutputLengthError":
@@ -57,7 +57,7 @@ def settlement_from(obj: dict[str, Any], runtime: str) -> Settlement:
     sid = obj.get("session_id")
     err = obj.get("error") if isinstance(obj.get("error"), dict) else {}
     detail = None if ok else (str(err.get("message") or "") or str(obj.get("reason") or "")) or None
-    if not ok and _aborted(obj):
+    if not ok and _reason_in(obj, _BRIDGE_ABORTS):
         detail = f"{obj.get('reason')}: {detail}" if detail and detail != obj.get("reason") else obj.get("reason")
     text = obj.get("text")
     return Settlement(evidence=f"{runtime}:bridge.settled", is_error=not ok, reason=failure_reason(obj), detail=detail,
@@ -129,8 +129,7 @@ class BridgeTurn(Tracker):
         reason, detail = obj.get("reason"), f"{obj.get('reason')}: {obj.get('detail', '')}"
         if reason in ("stream_lost", "server_exited"):
             return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail=detail, assistant_text=self.partial_text())
-        # a line is the bridge's word, not a schema: a reason that is no string names no rejection
-        if isinstance(reason, str) and reason in _REJECTED and obj.get("turn_id") is not None:
+        if _reason_in(obj, _REJECTED) and obj.get("turn_id") is not None:
             return NotSettled(reason=NotSettledReason.COMMAND_REJECTED, detail=detail,
                               assistant_text=self.partial_text())
         log.warning("bridge.error", reason=reason, detail=obj.get("detail"))

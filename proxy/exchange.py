@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import anyio
-import h11
 import structlog
 
 from .audit import RequestAudit, audit_request, reply_fields
+from .framing import NEED_DATA, FramingError, Head
 from .http1 import BodyTimeout, BodyTooLarge, ClientConnection, ClientGone, MalformedBody
 from .keys import KeySource, KeyUnavailable, is_credential_header, key_headers
 from .metrics import ProxyMetrics
@@ -123,7 +123,7 @@ def _redact(data: bytes, key: str) -> bytes:
 
 def response_headers(headers: list[tuple[bytes, bytes]], key: str, *,
                      body_length: int | None = None) -> list[tuple[bytes, bytes]]:
-    """The upstream's headers minus hop-by-hop (h11 frames the sandbox's copy), key redacted."""
+    """The upstream's headers minus hop-by-hop (the sandbox's copy is framed anew), key redacted."""
     named = _connection_tokens(headers)
     out = []
     for raw_name, raw_value in headers:
@@ -141,7 +141,7 @@ class Exchange:
     def __init__(self, ctx: ProxyContext, conn: ClientConnection, chat_key: str, user_id: str) -> None:
         self.ctx, self.conn, self.chat_key, self.user_id = ctx, conn, chat_key, user_id
 
-    async def run(self, req: h11.Request) -> tuple[bool, WireRecord]:
+    async def run(self, req: Head) -> tuple[bool, WireRecord]:
         """Answer ``req``; returns (keep the connection, the record)."""
         target = parse_target(req.target.decode("ascii", "replace"))
         d = Draft(self.ctx.next_seq(), self.chat_key, target.member_key, req.method.decode("ascii", "replace"),
@@ -163,11 +163,11 @@ class Exchange:
     async def _reject(self, d: Draft, status: int, reason: str, message: str) -> bool:
         self.ctx.metrics.rejected.labels(reason=reason).inc()
         d.status, d.error = status, reason
-        if self.conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+        if not self.conn.response_started:
             d.bytes_out = await self.conn.answer(status, reason, message, close=True)
         return False
 
-    async def _run(self, req: h11.Request, query: str, d: Draft) -> bool:
+    async def _run(self, req: Head, query: str, d: Draft) -> bool:
         if d.member_key is None:
             return await self._deny(d, "no_member", "requests must use the member base URL (/m/<member>/…)")
         if self.ctx.turn_of is not None:  # looked up first: a denied request still names its turn
@@ -179,7 +179,7 @@ class Exchange:
         if route is None:
             return await self._deny(d, "not_a_model_route", f"{d.method} {d.path} is not a model route")
         d.route = route
-        length = next((v for k, v in req.headers if k == b"content-length"), None)
+        length = req.header(b"content-length")
         if length is not None and int(length) > self.conn.limits.max_body_bytes:
             return await self._reject(d, 413, "body_too_large",
                                       f"request body larger than {self.conn.limits.max_body_bytes} bytes")
@@ -189,7 +189,7 @@ class Exchange:
             return await self._reject(d, 503, "gateway_key_unavailable", str(exc))
         return await self._forward(req, query, route, key, d)
 
-    async def _forward(self, req: h11.Request, query: str, route: Route, key: str, d: Draft) -> bool:
+    async def _forward(self, req: Head, query: str, route: Route, key: str, d: Draft) -> bool:
         await self.conn.continue_100()
         body = bytearray()
         try:
@@ -249,8 +249,7 @@ class Exchange:
         d.reply = ReplyReader(route.api, content_type) if resp.status < 300 else None
         # the head is held, not written: it goes out with the body bytes that came in the same
         # read, and nothing held ever waits for a read (flush first)
-        self.conn.hold(h11.Response(status_code=resp.status, headers=response_headers(resp.headers, key),
-                                    reason=resp.reason))
+        self.conn.hold_head(resp.status, response_headers(resp.headers, key), resp.reason)
         gone = False
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
@@ -262,7 +261,7 @@ class Exchange:
             tg.start_soon(watch)
             try:
                 while True:
-                    if (chunk := resp.ready_chunk()) is h11.NEED_DATA:
+                    if (chunk := resp.ready_chunk()) is NEED_DATA:
                         await self.conn.flush()
                         chunk = await resp.next_chunk()
                     if chunk is None:
@@ -270,11 +269,11 @@ class Exchange:
                     if d.reply is not None:
                         d.reply.feed(chunk)
                     if chunk:
-                        self.conn.hold(h11.Data(data=chunk))
+                        self.conn.hold_data(chunk)
                     d.bytes_out += len(chunk)
-                self.conn.hold(h11.EndOfMessage())
+                self.conn.hold_end()
                 await self.conn.flush()
-            except (UpstreamError, h11.LocalProtocolError) as exc:
+            except (UpstreamError, FramingError) as exc:
                 # the upstream broke off mid-body: end the sandbox's stream the same way, after
                 # the bytes that did arrive
                 with contextlib.suppress(ClientGone):
@@ -330,8 +329,6 @@ class Exchange:
         return rec
 
 
-def req_header(req: h11.Request, name: bytes) -> str | None:
-    for k, v in req.headers:
-        if k == name:
-            return v.decode("latin-1")
-    return None
+def req_header(req: Head, name: bytes) -> str | None:
+    value = req.header(name)
+    return value.decode("latin-1") if value is not None else None

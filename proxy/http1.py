@@ -1,10 +1,10 @@
-"""The sandbox side of the proxy: one HTTP/1.1 server connection over a unix socket (h11).
+"""The sandbox side of the proxy: one HTTP/1.1 server connection (parsed by llhttp, see
+:mod:`proxy.framing`).
 
-h11 does the parsing (request line, headers, chunked and content-length bodies, keep-alive);
-this module adds the bounds a hostile sandbox needs. Every read has a deadline, as a cancel
+This module adds the bounds a hostile sandbox needs. Every read has a deadline, as a cancel
 scope: an idle keep-alive connection, a request head that trickles in, a body that stalls.
-Malformed HTTP gets a 400 and the connection closes; nothing here can raise past
-:meth:`ClientConnection.next_request` except cancellation.
+Malformed HTTP gets a 400 (a head over its bound a 431) and the connection closes; nothing
+here can raise past :meth:`ClientConnection.next_request` except cancellation.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
-import h11
 
+from .framing import END, NEED_DATA, BodyFraming, FramingError, Head, Parser, ProtocolError, response_head
 from .sockets import SocketStream
 
 RECEIVE_SIZE = 64 * 1024
@@ -57,10 +57,16 @@ class ClientConnection:
     def __init__(self, stream: SocketStream, limits: Limits) -> None:
         self.stream = stream
         self.limits = limits
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+        self.parser = Parser(request=True, max_head_bytes=limits.max_head_bytes)
         self.eof = False
         self.answered_error: str | None = None  # the proxy's own error answer on this connection
-        self._held = bytearray()  # framed answer bytes not written yet (see hold)
+        self._held = bytearray()  # framed answer bytes not written yet (see hold_*)
+        self._request: Head | None = None
+        self._body_done = False  # the request's body was read to its end
+        self._framing: BodyFraming | None = None  # the answer's, once its head is framed
+        self._answered = False  # the answer was framed to its end
+        self._keep = False
+        self._expects_continue = False
 
     async def _receive(self) -> None:
         if self.eof:
@@ -70,33 +76,42 @@ class ClientConnection:
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             data = b""
         self.eof = not data
-        self.h11.receive_data(data)
+        self.parser.feed(data)
+
+    @property
+    def response_started(self) -> bool:
+        return self._framing is not None
 
     # ---------------------------------------------------------------- requests
 
-    async def next_request(self) -> h11.Request | None:
+    async def next_request(self) -> Head | None:
         """The next request head; None when the connection should just close (clean EOF, idle
         timeout, or a malformed/slow request that was answered 400/408/431)."""
         try:
-            event = self.h11.next_event()
-            if event is h11.NEED_DATA:
+            event = self.parser.next_event()
+            if event is NEED_DATA:
                 with anyio.move_on_after(self.limits.idle_timeout_s) as idle:
                     await self._receive()
                 if idle.cancelled_caught or self.eof:
                     return None  # idle keep-alive connection, or a clean close between requests
                 with anyio.fail_after(self.limits.head_timeout_s):
-                    while (event := self.h11.next_event()) is h11.NEED_DATA:
+                    while (event := self.parser.next_event()) is NEED_DATA:
                         await self._receive()
-            return event if isinstance(event, h11.Request) else None  # else ConnectionClosed
-        except h11.RemoteProtocolError as exc:
+        except ProtocolError as exc:
             if self.eof:
                 return None  # the peer went away mid-head: nobody to answer
-            await self.answer_and_close(exc.error_status_hint, "bad_request", f"malformed HTTP request: {exc}")
+            await self.answer_and_close(exc.status, "bad_request", f"malformed HTTP request: {exc}")
             return None
         except TimeoutError:
             await self.answer_and_close(408, "request_timeout",
                                         f"request head not complete within {self.limits.head_timeout_s:g}s")
             return None
+        if not isinstance(event, Head):
+            return None  # CLOSED
+        self._request = event
+        self._expects_continue = (event.http_version == "1.1"
+                                  and (event.header(b"expect") or b"").lower() == b"100-continue")
+        return event
 
     async def body(self) -> AsyncIterator[bytes]:
         """The request body as it arrives; raises BodyTooLarge, BodyTimeout, MalformedBody or
@@ -104,12 +119,12 @@ class ClientConnection:
         total = 0
         while True:
             try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError as exc:
+                event = self.parser.next_event()
+            except ProtocolError as exc:
                 if self.eof:
                     raise ClientGone("connection closed mid-body") from None
                 raise MalformedBody(f"malformed request body: {exc}") from None
-            if event is h11.NEED_DATA:
+            if event is NEED_DATA:
                 if self.eof:
                     raise ClientGone("connection closed mid-body")
                 try:
@@ -118,19 +133,21 @@ class ClientConnection:
                 except TimeoutError:
                     raise BodyTimeout(f"no body bytes for {self.limits.body_timeout_s:g}s") from None
                 continue
-            if isinstance(event, h11.Data):
-                total += len(event.data)
+            if isinstance(event, bytes):
+                self._expects_continue = False
+                total += len(event)
                 if total > self.limits.max_body_bytes:
                     raise BodyTooLarge(f"request body larger than {self.limits.max_body_bytes} bytes")
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
+                yield event
+            elif event is END:
+                self._body_done = True
                 return
             else:
                 raise ClientGone("connection closed mid-body")
 
     async def peer_closed(self) -> bool:
         """While an answer streams: True once the sandbox closed its side (the exchange is
-        abandoned); False when it sent bytes instead (kept for h11: the next request)."""
+        abandoned); False when it sent bytes instead (kept for the parser: the next request)."""
         if self.eof:
             return True
         await self._receive()
@@ -138,14 +155,22 @@ class ClientConnection:
 
     # ---------------------------------------------------------------- responses
 
-    async def _send(self, event: h11.Event) -> None:
-        self.hold(event)
-        await self.flush()
+    def hold_head(self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes = b"") -> None:
+        """Frame a response head now and write it with the next flush: an answer's head and the
+        body bytes that arrived with it go out in one write (one wake-up of the sandbox's reader)."""
+        assert self._request is not None and self._framing is None
+        head, self._framing, self._keep = response_head(self._request, status, headers, reason)
+        self._expects_continue = False
+        self._held += head
 
-    def hold(self, event: h11.Event) -> None:
-        """Frame ``event`` now and write it with the next flush: an answer's head and the body
-        bytes that arrived with it go out in one write (one wake-up of the sandbox's reader)."""
-        self._held += self.h11.send(event) or b""
+    def hold_data(self, data: bytes) -> None:
+        assert self._framing is not None
+        self._held += self._framing.data(data)
+
+    def hold_end(self) -> None:
+        assert self._framing is not None
+        self._held += self._framing.end()
+        self._answered = True
 
     async def flush(self) -> None:
         """Write whatever is held; the caller flushes before it waits for anything."""
@@ -158,18 +183,23 @@ class ClientConnection:
             raise ClientGone(f"sandbox stopped reading: {exc.__class__.__name__}") from None
 
     async def continue_100(self) -> None:
-        if self.h11.they_are_waiting_for_100_continue:
-            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        if self._expects_continue:
+            self._expects_continue = False
+            self._held += b"HTTP/1.1 100 Continue\r\n\r\n"
+            await self.flush()
 
     async def start_response(self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes = b"") -> None:
-        await self._send(h11.Response(status_code=status, headers=headers, reason=reason))
+        self.hold_head(status, headers, reason)
+        await self.flush()
 
     async def send_data(self, data: bytes) -> None:
         if data:
-            await self._send(h11.Data(data=data))
+            self.hold_data(data)
+            await self.flush()
 
     async def end_response(self) -> None:
-        await self._send(h11.EndOfMessage())
+        self.hold_end()
+        await self.flush()
 
     async def answer(self, status: int, kind: str, message: str, *, close: bool = False) -> int:
         """A complete JSON answer of the proxy's own; returns the body size."""
@@ -177,27 +207,31 @@ class ClientConnection:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if close:
             headers.append((b"connection", b"close"))
-        await self.start_response(status, headers)
-        await self.send_data(body)
-        await self.end_response()
+        self.hold_head(status, headers)
+        self.hold_data(body)
+        self.hold_end()
+        await self.flush()
         return len(body)
 
     async def answer_and_close(self, status: int, kind: str, message: str) -> None:
         self.answered_error = kind
+        if self._request is None:  # a request too malformed to have a head: answer as HTTP/1.1
+            self._request = Head([], keep_alive=False)
         try:
-            if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            if not self.response_started:
                 await self.answer(status, kind, message, close=True)
-        except (ClientGone, h11.LocalProtocolError):
+        except (ClientGone, FramingError):
             pass
         await self.close()
 
     # ---------------------------------------------------------------- lifecycle
 
     def reusable(self) -> bool:
-        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+        return self._answered and self._body_done and self._keep and not self.eof
 
     def next_cycle(self) -> None:
-        self.h11.start_next_cycle()
+        self._request, self._framing = None, None
+        self._body_done = self._answered = self._keep = self._expects_continue = False
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):

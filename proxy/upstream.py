@@ -1,11 +1,12 @@
-"""The proxy's way to the model gateway: a small keep-alive HTTP/1.1 client (h11 over anyio).
+"""The proxy's way to the model gateway: a small keep-alive HTTP/1.1 client (llhttp via
+:mod:`proxy.framing`, over anyio).
 
 Why not httpx here (the team's default client): measured with tests/bench/bench_proxy.py,
 httpx + httpcore were three quarters of the proxy's CPU per streamed request (request and
 response models, header re-validation, a cancel scope around every socket operation), which
 alone broke the ≤ 2 ms budget. This client does only what a pass-through needs: raw headers
-in and out, the request in one write, the body as h11 yields it, one idle deadline per read
-loop, and connections kept per origin.
+in and out, the request in one write, the body as the parser yields it, one idle deadline per
+read loop, and connections kept per origin.
 
 ``Connector`` is the transport seam (TCP/TLS by default; tests may dial anything); ``Upstream``
 is the client on top of it.
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import anyio
-import h11
 from anyio.abc import ByteStream, SocketAttribute
+
+from .framing import END, NEED_DATA, Head, Parser, ProtocolError, request_bytes
 
 RECEIVE_SIZE = 64 * 1024
 Connector = Callable[[], Awaitable[ByteStream]]
@@ -79,8 +81,9 @@ def tcp_connector(host: str, port: int, *, tls: bool, timeout_s: float,
 @dataclass
 class _Connection:
     stream: ByteStream
-    h11: h11.Connection = field(default_factory=lambda: h11.Connection(h11.CLIENT))
+    parser: Parser = field(default_factory=lambda: Parser(request=False))
     idle_since: float = field(default_factory=time.monotonic)
+    keep_alive: bool = True
 
     def looks_closed(self) -> bool:
         """An idle keep-alive connection that is readable has been closed by the server."""
@@ -105,11 +108,12 @@ class UpstreamResponse:
     """Status, raw headers, and the body as it arrives. Close it (``aclose``) in every case:
     a response read to its end returns its connection to the pool, any other is closed."""
 
-    def __init__(self, upstream: Upstream, conn: _Connection, event: h11.Response) -> None:
+    def __init__(self, upstream: Upstream, conn: _Connection, head: Head) -> None:
         self._upstream, self._conn = upstream, conn
-        self.status: int = event.status_code
-        self.reason: bytes = bytes(event.reason)
-        self.headers: list[tuple[bytes, bytes]] = [(bytes(k), bytes(v)) for k, v in event.headers]
+        self.status: int = head.status
+        self.reason: bytes = head.reason
+        self.headers: list[tuple[bytes, bytes]] = head.headers
+        conn.keep_alive = head.keep_alive
         self._done = False
         self._closed = False
 
@@ -122,23 +126,21 @@ class UpstreamResponse:
     async def next_chunk(self) -> bytes | None:
         """The next body bytes (de-chunked, never decoded) as a read brings them; None at the
         end. Raises UpstreamTimeout after ``read_s`` of silence, UpstreamBrokeOff if it breaks."""
-        while (chunk := self.ready_chunk()) is h11.NEED_DATA:
-            self._conn.h11.receive_data(await self._receive())
-        return chunk
+        while (chunk := self.ready_chunk()) is NEED_DATA:
+            self._conn.parser.feed(await self._receive())
+        return chunk  # type: ignore[return-value]
 
-    def ready_chunk(self) -> bytes | None | type[h11.NEED_DATA]:
+    def ready_chunk(self) -> bytes | None | object:
         """What the reads so far already brought, without reading: the next body bytes, None at
-        the end, or ``h11.NEED_DATA`` when only another read can tell. The proxy uses it to
-        write what has arrived in one write and never to wait for more."""
+        the end, or ``NEED_DATA`` when only another read can tell. The proxy uses it to write
+        what has arrived in one write and never to wait for more."""
         try:
-            event = self._conn.h11.next_event()
-        except h11.RemoteProtocolError as exc:
+            event = self._conn.parser.next_event()
+        except ProtocolError as exc:
             raise UpstreamBrokeOff(f"the gateway's answer broke off: {exc}") from None
-        if event is h11.NEED_DATA:
-            return h11.NEED_DATA
-        if isinstance(event, h11.Data):
-            return bytes(event.data)
-        if isinstance(event, h11.EndOfMessage):
+        if event is NEED_DATA or isinstance(event, bytes):
+            return event
+        if event is END:
             self._done = True
             return None
         raise UpstreamBrokeOff("the gateway closed the connection mid-answer")
@@ -151,7 +153,7 @@ class UpstreamResponse:
         except TimeoutError:
             raise UpstreamTimeout(f"the gateway sent nothing for {read_s:g}s") from None
         except (anyio.EndOfStream, anyio.BrokenResourceError, OSError, ssl.SSLError):
-            return b""  # h11 tells a clean end from a cut one
+            return b""  # the parser tells a clean end from a cut one
 
     async def aclose(self) -> None:
         if self._closed:
@@ -203,8 +205,9 @@ class Upstream:
         """Send one request (``target`` is appended to the base URL's path); the response head
         is back when this returns. A reused connection that turns out closed before any byte of
         an answer is retried once on a new one (the gateway cannot have seen the request)."""
-        request = h11.Request(method=method, target=(self.base_path + target).encode("ascii"),
-                              headers=[("host", self.host_header), *headers])
+        request = request_bytes(method, (self.base_path + target).encode("ascii"),
+                                [(b"host", self.host_header),
+                                 *((n.encode("latin-1"), v.encode("latin-1")) for n, v in headers)], body)
         for attempt in (0, 1):
             conn, stale = self._take_idle() if attempt == 0 else (None, [])
             for old in stale:
@@ -213,7 +216,7 @@ class Upstream:
             if conn is None:
                 conn = _Connection(await self._connect())
             try:
-                return await self._exchange(conn, request, body)
+                return await self._exchange(conn, request, head_only=method == "HEAD")
             except _StaleConnection:
                 await conn.close()
                 if not reused or attempt:
@@ -223,14 +226,11 @@ class Upstream:
                 raise
         raise AssertionError("unreachable")
 
-    async def _exchange(self, conn: _Connection, request: h11.Request, body: bytes) -> UpstreamResponse:
-        data = conn.h11.send(request) or b""
-        if body:
-            data += conn.h11.send(h11.Data(data=body)) or b""
-        data += conn.h11.send(h11.EndOfMessage()) or b""
+    async def _exchange(self, conn: _Connection, request: bytes, *, head_only: bool) -> UpstreamResponse:
+        conn.parser.end_at_head = head_only
         try:
             with anyio.fail_after(self.timeouts.write_s):
-                await conn.stream.send(data)  # the whole request in one write
+                await conn.stream.send(request)  # the whole request in one write
         except TimeoutError:
             raise UpstreamTimeout(f"the gateway took no request bytes for {self.timeouts.write_s:g}s") from None
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ssl.SSLError):
@@ -239,10 +239,10 @@ class Upstream:
         with anyio.move_on_after(self.timeouts.read_s) as scope:
             while True:
                 try:
-                    event = conn.h11.next_event()
-                except h11.RemoteProtocolError as exc:
+                    event = conn.parser.next_event()
+                except ProtocolError as exc:
                     raise UpstreamBrokeOff(f"the gateway's answer is not HTTP: {exc}") from None
-                if event is h11.NEED_DATA:
+                if event is NEED_DATA:
                     try:
                         chunk = await conn.stream.receive(RECEIVE_SIZE)
                     except (anyio.EndOfStream, anyio.BrokenResourceError, OSError, ssl.SSLError):
@@ -250,20 +250,18 @@ class Upstream:
                     if not chunk and not got_bytes:
                         raise _StaleConnection
                     got_bytes = True
-                    conn.h11.receive_data(chunk)
-                elif isinstance(event, h11.Response):
+                    conn.parser.feed(chunk)
+                elif isinstance(event, Head) and event.status >= 200:
                     return UpstreamResponse(self, conn, event)
-                elif isinstance(event, h11.InformationalResponse):
-                    continue  # 100 Continue and friends: the real answer follows
+                elif isinstance(event, Head) or event is END:
+                    continue  # 100 Continue and friends (and their empty end): the real answer follows
                 else:
                     raise UpstreamBrokeOff("the gateway closed the connection before answering")
         assert scope.cancelled_caught
         raise UpstreamTimeout(f"the gateway did not answer within {self.timeouts.read_s:g}s")
 
     async def _release(self, conn: _Connection, *, reusable: bool) -> None:
-        c = conn.h11
-        if reusable and c.our_state is h11.DONE and c.their_state is h11.DONE and len(self._idle) < self._max_idle:
-            c.start_next_cycle()
+        if reusable and conn.keep_alive and len(self._idle) < self._max_idle:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:

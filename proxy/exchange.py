@@ -251,38 +251,35 @@ class Exchange:
         # read, and nothing held ever waits for a read (flush first)
         self.conn.hold_head(resp.status, response_headers(resp.headers, key), resp.reason)
         gone = False
-        async with anyio.create_task_group() as tg:
-            async def watch() -> None:
+        with anyio.CancelScope() as scope:
+            def closed() -> None:
                 nonlocal gone
-                if await self.conn.peer_closed():
-                    gone = True
-                    tg.cancel_scope.cancel()
+                gone = True
+                scope.cancel()
 
-            tg.start_soon(watch)
-            try:
-                while True:
-                    if (chunk := resp.ready_chunk()) is NEED_DATA:
-                        await self.conn.flush()
-                        chunk = await resp.next_chunk()
-                    if chunk is None:
-                        break
-                    if d.reply is not None:
-                        d.reply.feed(chunk)
-                    if chunk:
-                        self.conn.hold_data(chunk)
-                    d.bytes_out += len(chunk)
-                self.conn.hold_end()
-                await self.conn.flush()
-            except (UpstreamError, FramingError) as exc:
-                # the upstream broke off mid-body: end the sandbox's stream the same way, after
-                # the bytes that did arrive
-                with contextlib.suppress(ClientGone):
+            with self.conn.watch_close(closed):
+                try:
+                    while True:
+                        if (chunk := resp.ready_chunk()) is NEED_DATA:
+                            await self.conn.flush()
+                            chunk = await resp.next_chunk()
+                        if chunk is None:
+                            break
+                        if d.reply is not None:
+                            d.reply.feed(chunk)
+                        if chunk:
+                            self.conn.hold_data(chunk)
+                        d.bytes_out += len(chunk)
+                    self.conn.hold_end()
                     await self.conn.flush()
-                self.ctx.metrics.rejected.labels(reason="upstream_broke_off").inc()
-                d.error, d.reply = f"upstream_broke_off: {exc.__class__.__name__}", None
-                tg.cancel_scope.cancel()
-                return False
-            tg.cancel_scope.cancel()
+                except (UpstreamError, FramingError) as exc:
+                    # the upstream broke off mid-body: end the sandbox's stream the same way, after
+                    # the bytes that did arrive
+                    with contextlib.suppress(ClientGone):
+                        await self.conn.flush()
+                    self.ctx.metrics.rejected.labels(reason="upstream_broke_off").inc()
+                    d.error, d.reply = f"upstream_broke_off: {exc.__class__.__name__}", None
+                    return False
         if gone:
             raise ClientGone("closed the connection while the answer streamed")
         return self.conn.reusable()

@@ -10,7 +10,8 @@ here can raise past :meth:`ClientConnection.next_request` except cancellation.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import anyio
@@ -145,13 +146,12 @@ class ClientConnection:
             else:
                 raise ClientGone("connection closed mid-body")
 
-    async def peer_closed(self) -> bool:
-        """While an answer streams: True once the sandbox closed its side (the exchange is
-        abandoned); False when it sent bytes instead (kept for the parser: the next request)."""
+    def watch_close(self, gone: Callable[[], None]) -> AbstractContextManager[None]:
+        """While an answer streams: ``gone()`` once the sandbox closes its side (the exchange is
+        abandoned). See :meth:`SocketStream.watch_close`."""
         if self.eof:
-            return True
-        await self._receive()
-        return self.eof
+            gone()
+        return self.stream.watch_close(gone)
 
     # ---------------------------------------------------------------- responses
 

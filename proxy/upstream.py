@@ -84,14 +84,17 @@ class _Connection:
     parser: Parser = field(default_factory=lambda: Parser(request=False))
     idle_since: float = field(default_factory=time.monotonic)
     keep_alive: bool = True
+    raw: socket.socket | None = None  # looked up once: anyio's typed attributes cost per call
+
+    def __post_init__(self) -> None:
+        self.raw = self.stream.extra(SocketAttribute.raw_socket, None)
 
     def looks_closed(self) -> bool:
         """An idle keep-alive connection that is readable has been closed by the server."""
-        raw = self.stream.extra(SocketAttribute.raw_socket, None)
-        if raw is None:
+        if self.raw is None:
             return False
         try:
-            readable, _, _ = select.select([raw], [], [], 0)
+            readable, _, _ = select.select([self.raw], [], [], 0)
         except (OSError, ValueError):
             return True
         return bool(readable)

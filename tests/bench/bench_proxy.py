@@ -4,7 +4,7 @@
 
 Processes as in production: the loopback fixture (``python -m deploy.loopback``) and the model
 proxy (a ``ProxyHost`` with one sandbox socket) each run in a process of their own; this
-process is the client. For each request size (Claude's real ~78 KB conversation body from
+process is the client. For each request body (Claude's and pi's real conversation bodies from
 tests/data/loopback, and a small chat body) it sends N streamed requests over one keep-alive
 connection along each path, interleaved request by request so every path sees the same
 machine load:
@@ -57,10 +57,14 @@ def quiet() -> None:
 
 
 def bodies() -> dict[str, tuple[str, bytes]]:
-    rec = [r for r in load_jsonl(DATA / "claude-2.1.220.jsonl") if r.kind == "conversation" and r.status == 200][-1]
-    claude = json.dumps({**rec.body, "stream": True}).encode()
+    def last(name: str) -> bytes:
+        rec = [r for r in load_jsonl(DATA / name) if r.kind == "conversation" and r.status == 200][-1]
+        return json.dumps({**rec.body, "stream": True}).encode()
+
+    claude, pi = last("claude-2.1.220.jsonl"), last("pi-0.73.1.jsonl")
     chat = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "a short question"}]})
-    return {"claude-78KB": ("/v1/messages?beta=true", claude), "chat-small": ("/v1/chat/completions", chat.encode())}
+    return {"claude-78KB": ("/v1/messages?beta=true", claude), f"pi-{len(pi) // 1024}KB": ("/v1/messages", pi),
+            "chat-small": ("/v1/chat/completions", chat.encode())}
 
 
 # ---------------------------------------------------------------- the proxy process

@@ -62,7 +62,10 @@ class EchoServer:
             while data := conn.recv(65536):
                 conn.sendall(data)
             conn.sendall(b"<eof seen>")
-            conn.shutdown(socket.SHUT_WR)
+            try:
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:  # ENOTCONN: the client already has everything and is gone
+                pass
 
     def close(self) -> None:
         self.sock.close()

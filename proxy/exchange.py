@@ -296,10 +296,8 @@ class Exchange:
             d.error = f"upstream_broke_off: {exc.__class__.__name__}"
             return False
         body = _redact(bytes(data), key)
-        await self.conn.start_response(resp.status, response_headers(resp.headers, key, body_length=len(body)),
-                                       resp.reason)
-        await self.conn.send_data(body)
-        await self.conn.end_response()
+        await self.conn.respond(resp.status, response_headers(resp.headers, key, body_length=len(body)), body,
+                                resp.reason)
         d.bytes_out = len(body)
         return self.conn.reusable()
 

@@ -188,30 +188,21 @@ class ClientConnection:
             self._held += b"HTTP/1.1 100 Continue\r\n\r\n"
             await self.flush()
 
-    async def start_response(self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes = b"") -> None:
-        self.hold_head(status, headers, reason)
-        await self.flush()
-
-    async def send_data(self, data: bytes) -> None:
-        if data:
-            self.hold_data(data)
-            await self.flush()
-
-    async def end_response(self) -> None:
-        self.hold_end()
-        await self.flush()
-
     async def answer(self, status: int, kind: str, message: str, *, close: bool = False) -> int:
         """A complete JSON answer of the proxy's own; returns the body size."""
         body = error_body(status, kind, message)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if close:
             headers.append((b"connection", b"close"))
-        self.hold_head(status, headers)
+        await self.respond(status, headers, body)
+        return len(body)
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, reason: bytes = b"") -> None:
+        """A whole answer whose body is known, in one write."""
+        self.hold_head(status, headers, reason)
         self.hold_data(body)
         self.hold_end()
         await self.flush()
-        return len(body)
 
     async def answer_and_close(self, status: int, kind: str, message: str) -> None:
         self.answered_error = kind

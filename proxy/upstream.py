@@ -84,7 +84,7 @@ class _Connection:
     parser: Parser = field(default_factory=lambda: Parser(request=False))
     idle_since: float = field(default_factory=time.monotonic)
     keep_alive: bool = True
-    raw: socket.socket | None = None  # looked up once: anyio's typed attributes cost per call
+    raw: socket.socket | None = field(init=False)  # looked up once: anyio's typed attributes cost per call
 
     def __post_init__(self) -> None:
         self.raw = self.stream.extra(SocketAttribute.raw_socket, None)

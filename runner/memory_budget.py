@@ -2,13 +2,17 @@
 
 Given what each resident costs (measured, or the runtime's estimate until it has been),
 which of them are busy and when each was last used, it decides which idle residents to
-retire — least recently used first — so that a new resident fits, or so that growth of
-the residents in turns is taken back under the budget. It never picks a busy resident.
+retire — least recently used first — so that a new resident fits, or so that a turn on a
+resident has room to grow. It never picks a busy resident.
 It retires nothing when retiring every idle resident would still not make room: the
 launch then waits for a turn to end rather than costing other members their LIVE turns
 for nothing. A runtime's estimate is the largest it was ever measured at, never below a
 floor from the measured baselines (protocols/baselines.md: idle and peak RSS per CLI), and a
-resident never costs less than that floor.
+resident never costs less than that floor. A resident in a turn costs its runtime's estimate:
+a turn may grow its tree to the largest its runtime was ever measured at, and the budget must
+hold before it does, not one reading after (stop 24: a resident that grew in its turn was
+counted by its idle reading until the next periodic check, and the host's sampled peak was 7%
+over the budget).
 
 A launch does not retire a resident whose turn ended less than ``RECENT_S`` ago: a chat's next
 message usually follows its receipt at once, and retiring its resident in that moment turns a
@@ -42,7 +46,8 @@ class ResidentUse:
     runtime: str
     measured: int | None  # bytes; None until its first measurement
     last_used: float
-    busy: bool
+    busy: bool  # its member has work in flight or waiting: never retired for the budget
+    in_turn: bool = False  # a turn runs on it now (and may grow it)
 
 
 @dataclass(frozen=True)
@@ -69,10 +74,11 @@ class BudgetPolicy:
     def cost(self, use: ResidentUse) -> int:
         """Its reading, or its runtime's estimate until read — and never below the runtime's
         floor: a reading taken while the CLI is still starting (OpenCode climbs to ~550 MiB
-        over seconds) must not free room it is about to take. (Not the learnt estimate: one
-        resident's big turn must not make every resident of its runtime look as big.)"""
-        if use.measured is None:
-            return self.estimate(use.runtime)
+        over seconds) must not free room it is about to take. An idle resident is not counted
+        at the learnt estimate (one resident's big turn must not make every idle resident of its
+        runtime look as big); a resident in a turn is, because that is what its turn may take."""
+        if use.measured is None or use.in_turn:
+            return max(use.measured or 0, self.estimate(use.runtime))
         return max(use.measured, self._floors.get(use.runtime, self._default))
 
     def used(self, uses: Iterable[ResidentUse], reserved: int = 0) -> int:

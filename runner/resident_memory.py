@@ -1,19 +1,20 @@
-"""The resident memory budget at work: readings, the launch gate and the periodic check.
+"""The resident memory budget at work: readings, the gates and the periodic check.
 
 Readings come from the host (sandbox_manager.proc_memory, in a worker thread) and are
-cached: refreshed on a period and before every launch. Launches make room one at a time,
-first come first served. A launch first reserves its runtime's estimate — so concurrent
-launches never count the same room twice — after the retirements its plan needs have
-completed (their memory is counted until the kill is done), and the reservation ends once
-the resident is in the pool (counted by its estimate until its first reading). Retiring
-takes the member's lock without waiting: a resident whose member has work in flight or
-waiting is busy and never retired for the budget.
+cached: refreshed on a period and before every launch. Launches — and turns on residents
+that need room to grow — get room one at a time, first come first served. A launch first
+reserves its runtime's estimate — so concurrent launches never count the same room twice —
+after the retirements its plan needs have completed (their memory is counted until the kill
+is done), and the reservation ends once the resident is in the pool, where a resident in a
+turn counts at its runtime's estimate (what the turn may grow it to). Retiring takes the
+member's lock without waiting: a resident whose member has work in flight or waiting is busy
+and never retired for the budget.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -36,17 +37,19 @@ class BudgetMetrics:
                           "RSS of every resident CLI's process tree at the last reading.",
                           registry=r)
         self.committed = Gauge("cloud_agent_resident_memory_committed_bytes",
-                               "What the budget counts: each resident's peak RSS (or its runtime's estimate "
-                               "until read) plus launches in progress.", registry=r)
+                               "What the budget counts: each resident's peak RSS (its runtime's estimate "
+                               "until read or while in a turn) plus launches in progress.", registry=r)
         self.pss = Gauge("cloud_agent_resident_memory_pss_bytes",
                          "PSS of the same trees (pages they share counted once).", registry=r)
         self.retirements = Counter("cloud_agent_resident_memory_retirements",
                                    "Idle residents retired for the budget, by cause (launch: room for a new "
-                                   "resident; over_budget: growth of residents in turns).", ["cause"], registry=r)
-        self.waits = Counter("cloud_agent_resident_memory_launch_waits",
-                             "Launches that waited for a turn to end before they fitted.", registry=r)
-        self.waiting = Gauge("cloud_agent_resident_memory_launches_waiting",
-                             "Launches waiting now for room under the budget.", registry=r)
+                                   "resident; turn: room for a turn to grow its resident; over_budget: growth "
+                                   "past the estimates).", ["cause"], registry=r)
+        self.waits = Counter("cloud_agent_resident_memory_waits",
+                             "Launches and turns on residents that waited for a turn to end before they "
+                             "fitted, by kind (launch, turn).", ["kind"], registry=r)
+        self.waiting = Gauge("cloud_agent_resident_memory_waiting",
+                             "Launches and turns waiting now for room under the budget.", registry=r)
 
 
 class ResidentMemory:
@@ -61,7 +64,8 @@ class ResidentMemory:
         self.metrics = BudgetMetrics(registry)
         self.metrics.budget.set(budget_bytes)
         self.reserved: dict[MemberKey, int] = {}
-        self._launch_queue: list[object] = []  # launches waiting to make room, in arrival order
+        self._queue: list[object] = []  # launches and turns waiting to make room, in arrival order
+        self._turn_waiting: set[MemberKey] = set()  # members whose turn waits in line for room
         self._pss: dict[int, int] = {}  # id(resident) -> its last PSS reading
         self.last_reading = 0.0
         self._reading = anyio.Lock()
@@ -119,7 +123,9 @@ class ResidentMemory:
 
     def uses(self, *, dying: bool = True) -> list[ResidentUse]:
         live = [ResidentUse(key=r.key, runtime=r.runtime, measured=r.measured_bytes, last_used=r.last_used,
-                            busy=self.locks.busy(r.key)) for r in self.pool.residents()]
+                            busy=self.locks.busy(r.key),
+                            in_turn=self.locks.held(r.key) and r.key not in self._turn_waiting)
+                for r in self.pool.residents()]
         gone = [ResidentUse(key=r.key, runtime=r.runtime, measured=r.measured_bytes, last_used=r.last_used,
                             busy=True) for r in self.pool.retiring()] if dying else []
         return live + gone
@@ -146,63 +152,103 @@ class ResidentMemory:
             self.notify()
         return done
 
-    # -- the launch gate --------------------------------------------------------------------------
+    # -- the gates: launches and turns on residents ------------------------------------------------
 
     @asynccontextmanager
     async def launching(self, key: MemberKey, runtime: str) -> AsyncIterator[None]:
-        await self._make_room(key, runtime)
+        await self._in_line(runtime, "launch", lambda: self._launch_attempt(key, runtime))
         try:
             yield
         finally:
             self.reserved.pop(key, None)
 
-    async def _make_room(self, key: MemberKey, runtime: str) -> None:
-        """Launches make room one at a time, in arrival order, and never go over the budget
-        (SPEC 13: "never exceeds it"). Without the order a launch that needs more room than a
-        later one lost every race for the room a turn's end freed. A waiting head holds back
-        smaller launches that would fit now; that is the price of never starving the larger ones.
+    async def turn_room(self, key: MemberKey, runtime: str) -> None:
+        """Before a turn runs on a resident: room for what the turn may grow it to.
+
+        The caller holds the member's lock, so the resident already counts at its runtime's
+        estimate (``BudgetPolicy.cost``). When that fits — the usual case — nothing is read and
+        nothing waits. Otherwise idle residents are retired for it, least recently used first,
+        or it waits in line with the launches until a turn ends. While it waits it counts at its
+        reading (it is not growing), so two turns waiting for each other's room never deadlock;
+        and a turn with no other turn or launch to wait for goes ahead (one resident larger than
+        the budget must still run, as a launch into an empty host does)."""
+        if not self._queue and self.committed() <= self.policy.budget:
+            return
+        self._turn_waiting.add(key)
+        try:
+            await self._in_line(runtime, "turn", lambda: self._turn_attempt(key))
+        finally:
+            self._turn_waiting.discard(key)
+
+    async def _launch_attempt(self, key: MemberKey, runtime: str) -> str:
+        await self.refresh()
+        plan = self.policy.plan(self.uses(), runtime, sum(self.reserved.values()), now=time.monotonic())
+        if not plan.fits:
+            return "wait"
+        self.reserved[key] = plan.need
+        if await self._retire(plan.retire, "launch") == len(plan.retire):
+            return "done"
+        del self.reserved[key]  # one of them became busy: plan again
+        return "again"
+
+    async def _turn_attempt(self, key: MemberKey) -> str:
+        await self.refresh()
+        self._turn_waiting.discard(key)  # planned as what it is about to be: a resident in a turn
+        uses = self.uses()
+        plan = self.policy.plan(uses, None, sum(self.reserved.values()))
+        if plan.fits:
+            return "done" if await self._retire(plan.retire, "turn") == len(plan.retire) else "again"
+        if not self.reserved and not any(u.in_turn and u.key != key for u in uses):
+            return "done"  # nothing to wait for: no turn will end and give room back
+        self._turn_waiting.add(key)
+        return "wait"
+
+    async def _in_line(self, runtime: str, kind: str, attempt: Callable[[], Awaitable[str]]) -> None:
+        """Launches and turns that need room get it one at a time, in arrival order, and never
+        go over the budget (SPEC 13: "never exceeds it"). Without the order a launch that needs
+        more room than a later one lost every race for the room a turn's end freed. A waiting
+        head holds back smaller ones that would fit now; that is the price of never starving
+        the larger ones.
 
         The wait has no deadline of its own: room always comes, because every resident that
         holds it is either idle (retired here) or in a turn that ends within the turn timeout,
-        and the launching member's own lock keeps no resident busy (it has none). Until stop 22
-        a launch that had waited a whole turn timeout went ahead over the budget; in the 48-chat
+        and the waiting member's own lock keeps no resident of its own busy. Until stop 22 a
+        launch that had waited a whole turn timeout went ahead over the budget; in the 48-chat
         load run that happened 3 and 5 times and the host's peak was 35% over the budget. Long
         waits are reported (``memory_budget.launch_still_waits``) and counted (the gauge)."""
         waited_since: float | None = None
         reported = 0.0
         ticket = object()
-        self._launch_queue.append(ticket)
+        self._queue.append(ticket)
         try:
             while True:
-                if self._launch_queue[0] is ticket:
-                    await self.refresh()
-                    plan = self.policy.plan(self.uses(), runtime, sum(self.reserved.values()), now=time.monotonic())
-                    if plan.fits:
-                        self.reserved[key] = plan.need
-                        if await self._retire(plan.retire, "launch") == len(plan.retire):
-                            return
-                        del self.reserved[key]  # one of them became busy: plan again
+                if self._queue[0] is ticket:
+                    outcome = await attempt()
+                    if outcome == "done":
+                        return
+                    if outcome == "again":
                         continue
                 now = time.monotonic()
                 if waited_since is None:
                     waited_since = reported = now
-                    self.metrics.waits.inc()
+                    self.metrics.waits.labels(kind=kind).inc()
                     self.metrics.waiting.inc()
-                    log.info("memory_budget.launch_waits", runtime=runtime, ahead=self._launch_queue.index(ticket),
+                    log.info(f"memory_budget.{kind}_waits", runtime=runtime, ahead=self._queue.index(ticket),
                              budget=self.policy.budget)
-                elif now - reported >= self.report_every_s and self._launch_queue[0] is ticket:
-                    reported = now  # the head speaks for the queue: one line per period, not one per launch
-                    log.warning("memory_budget.launch_still_waits", runtime=runtime, waited_s=round(now - waited_since),
-                                behind=len(self._launch_queue) - 1, committed=self.committed(),
-                                budget=self.policy.budget)
+                    self.notify()  # a turn that waits counts at its reading now: the head may fit
+                elif now - reported >= self.report_every_s and self._queue[0] is ticket:
+                    reported = now  # the head speaks for the queue: one line per period, not one per waiter
+                    log.warning(f"memory_budget.{kind}_still_waits", runtime=runtime,
+                                waited_s=round(now - waited_since), behind=len(self._queue) - 1,
+                                committed=self.committed(), budget=self.policy.budget)
                 with anyio.move_on_after(1.0):  # or as soon as a turn ends, a resident retires or a launch goes
                     await self._changed.wait()
         finally:
             if waited_since is not None:
                 self.metrics.waiting.dec()
-            self._launch_queue.remove(ticket)
-            if self._launch_queue:
-                self.notify()  # the next launch in line plans now
+            self._queue.remove(ticket)
+            if self._queue:
+                self.notify()  # the next one in line plans now
 
     # -- the periodic check -----------------------------------------------------------------------
 

@@ -112,7 +112,8 @@ class Supervisor:
                                  turn_timeout_s=settings.turn_timeout_s,
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks,
                                  driver_options=driver_options(settings, manager.config.pins),
-                                 launch_gate=self.memory.launching, keepers=self.keepers)
+                                 launch_gate=self.memory.launching, turn_gate=self.memory.turn_room,
+                                 keepers=self.keepers)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self.housekeeping = Housekeeping(settings, store=store, manager=manager, pool=self.pool, locks=self.locks,
                                          capacity=self.capacity, sweeps=self.sweeps, heartbeat=self.heartbeat)

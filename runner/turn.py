@@ -42,6 +42,7 @@ from runner.turn_context import (
     Detached,
     Emit,
     LaunchGate,
+    TurnGate,
     NotStarted,
     Refusal,
     TurnContext,
@@ -75,7 +76,8 @@ class TurnRunner:
     def __init__(self, *, store: Store, manager: SandboxManager, pool: ResidentPool, model_path: ModelPath,
                  models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
                  hooks: TestHooks | None = None, driver_options: DriverOptions | None = None,
-                 launch_gate: LaunchGate | None = None, keepers: Keepers | None = None,
+                 launch_gate: LaunchGate | None = None, turn_gate: TurnGate | None = None,
+                 keepers: Keepers | None = None,
                  drivers: Callable[[str, DriverOptions | None], Driver] = get_driver) -> None:
         self.store = store
         self.keepers = keepers  # residents run under in-sandbox keepers (SPEC 14); None: plain execs
@@ -92,6 +94,7 @@ class TurnRunner:
         # Capacity: waits until a new resident may start (the memory budget) and holds its
         # place until the resident is in the pool.
         self.launch_gate = launch_gate
+        self.turn_gate = turn_gate  # and until a turn on a resident has room to grow
         # (user_id, job_id) -> why a turn is being cancelled (its receipt's reason), e.g. chat_deleted
         self.cancel_reasons: dict[tuple[str, str], str] = {}
         self.drivers = drivers  # (runtime, launch inputs) -> driver: the registry
@@ -279,6 +282,8 @@ class TurnRunner:
         t = time.monotonic()
         resident = self.pool.get(key)  # again: resolving may have retired it
         if resident is not None and serves(resident, saved, ctx.sandbox.container_id):
+            if self.turn_gate is not None:
+                await self.turn_gate(key, job.runtime)
             ctx.status = ContextStatus.LIVE
             ctx.cli_version = resident.session.cli_version
             resident.last_used = time.monotonic()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,6 +21,8 @@ from telemetry.turn_trace import mark
 
 Emit = Callable[[dict[str, Any]], None]
 LaunchGate = Callable[[tuple[str, str, str], str], AbstractAsyncContextManager[None]]
+# (member, runtime) -> returns once a turn on the member's resident has room to grow (the memory budget)
+TurnGate = Callable[[tuple[str, str, str], str], Awaitable[None]]
 
 
 def to_locator(saved: SavedLocator | None) -> Locator | None:

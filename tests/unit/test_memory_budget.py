@@ -25,9 +25,10 @@ def sample(registry: CollectorRegistry, name: str) -> float:
     return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
-def use(name: str, mib: int | None, last: float, busy: bool = False, runtime: str = "codex") -> ResidentUse:
+def use(name: str, mib: int | None, last: float, busy: bool = False, runtime: str = "codex",
+        in_turn: bool = False) -> ResidentUse:
     return ResidentUse(key=("u", "c", name), runtime=runtime, measured=None if mib is None else mib * MiB,
-                       last_used=last, busy=busy)
+                       last_used=last, busy=busy or in_turn, in_turn=in_turn)
 
 
 def keys(plan) -> list[str]:
@@ -103,6 +104,17 @@ def test_estimates_never_go_below_the_floor_and_learn_the_largest_reading() -> N
     assert policy.estimate("codex") == 200 * MiB
     assert policy.cost(use("x", None, 0)) == 200 * MiB  # unmeasured: the estimate
     assert policy.estimate("unknown-runtime") == max(FLOOR_ESTIMATES.values())
+
+
+def test_a_resident_in_a_turn_costs_what_its_runtime_was_ever_measured_at() -> None:
+    """A turn may grow its tree to the runtime's largest reading; the budget counts that before
+    the turn runs, not one reading after (the stop-24 overshoot)."""
+    policy = BudgetPolicy(1000 * MiB)
+    policy.learn("codex", 260 * MiB)
+    assert policy.cost(use("x", 150, 0, in_turn=True)) == 260 * MiB
+    assert policy.cost(use("x", 150, 0)) == FLOOR_ESTIMATES["codex"]  # idle: its own reading, floored
+    assert policy.cost(use("x", 300, 0, in_turn=True)) == 300 * MiB  # its own reading when larger
+    assert policy.used([use("a", 150, 0, in_turn=True), use("b", 200, 1)]) == 460 * MiB
 
 
 # -- the launch gate ----------------------------------------------------------------------------
@@ -183,7 +195,7 @@ async def test_the_gate_retires_the_lru_idle_resident_and_waits_for_a_busy_one()
     assert sorted(k[2] for k in pool.keys()) == ["b", "d"]
     text = generate_latest(registry).decode()
     assert 'cloud_agent_resident_memory_retirements_total{cause="launch"} 2.0' in text
-    assert "cloud_agent_resident_memory_launch_waits_total 1.0" in text
+    assert 'cloud_agent_resident_memory_waits_total{kind="launch"} 1.0' in text
     assert sample(registry, "cloud_agent_resident_memory_budget_bytes") == 500 * MiB
 
 
@@ -269,7 +281,7 @@ async def test_a_launch_that_waits_long_never_goes_over_the_budget() -> None:
             tg.start_soon(launch)
             await anyio.sleep(1.5)  # over the gate's own 1 s re-plan, and many report periods
             assert order == [] and mem.reserved == {}
-            assert sample(registry, "cloud_agent_resident_memory_launches_waiting") == 1
+            assert sample(registry, "cloud_agent_resident_memory_waiting") == 1
             ends["b"].set()
             with anyio.fail_after(5):
                 while "d launched" not in order:
@@ -278,8 +290,8 @@ async def test_a_launch_that_waits_long_never_goes_over_the_budget() -> None:
             assert sorted(k[2] for k in pool.keys()) == ["a", "c"]  # b, idle after its turn, made the room
             ends["a"].set()
             ends["c"].set()
-    assert sample(registry, "cloud_agent_resident_memory_launches_waiting") == 0
-    assert "cloud_agent_resident_memory_launch_waits_total 1.0" in generate_latest(registry).decode()
+    assert sample(registry, "cloud_agent_resident_memory_waiting") == 0
+    assert 'cloud_agent_resident_memory_waits_total{kind="launch"} 1.0' in generate_latest(registry).decode()
     still = [e for e in logs if e["event"] == "memory_budget.launch_still_waits"]
     assert len(still) >= 1 and all(e["runtime"] == "codex" and e["budget"] == 500 * MiB for e in still)
     assert all(e["committed"] == 3 * FLOOR_ESTIMATES["codex"] for e in still)  # each counts its floor
@@ -301,3 +313,85 @@ async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:
     assert 'cloud_agent_resident_memory_retirements_total{cause="over_budget"} 1.0' in generate_latest(
         registry).decode()
     assert sample(registry, "cloud_agent_resident_memory_used_bytes") == 490 * MiB
+
+
+# -- the turn gate ------------------------------------------------------------------------------
+
+
+class CountingReader(FakeReader):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def measure(self, init_pid: int, pgids: set[int]) -> dict[int, GroupMemory]:
+        self.reads += 1
+        return super().measure(init_pid, pgids)
+
+
+async def test_a_turn_that_fits_reads_nothing_and_one_that_does_not_retires_the_lru_idle_resident() -> None:
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), CountingReader()
+    registry = CollectorRegistry()
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
+                         reader=reader)  # type: ignore[arg-type]
+    mem.policy.learn("codex", 300 * MiB)  # a codex turn was once seen at 300 MiB
+    resident(pool, reader, "a", 11, 150, last=1)
+    resident(pool, reader, "b", 12, 150, last=2)
+    await mem.refresh()  # both read at 150 (until read, a resident costs the estimate)
+    reader.reads = 0
+    async with locks.hold(("u", "c", "b")):
+        await mem.turn_room(("u", "c", "b"), "codex")  # a 160 (floor) + b 300 (in its turn) = 460
+        assert reader.reads == 0 and sorted(k[2] for k in pool.keys()) == ["a", "b"]
+    resident(pool, reader, "c", 13, 150, last=3)
+    async with locks.hold(("u", "c", "c")):
+        await mem.turn_room(("u", "c", "c"), "codex")  # 160 + 160 + 300 = 620: the LRU idle one goes
+        assert sorted(k[2] for k in pool.keys()) == ["b", "c"]
+        assert mem.committed() == 460 * MiB
+    assert 'cloud_agent_resident_memory_retirements_total{cause="turn"} 1.0' in generate_latest(registry).decode()
+
+
+async def test_turns_waiting_for_room_go_one_after_the_other_and_never_deadlock() -> None:
+    """a and b both start turns when only one of them may grow: each counts at its reading while
+    it waits, so the first in line goes, and the second goes when the first's turn ends."""
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    registry = CollectorRegistry()
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
+                         reader=reader)  # type: ignore[arg-type]
+    mem.policy.learn("codex", 300 * MiB)
+    resident(pool, reader, "a", 11, 150, last=1)
+    resident(pool, reader, "b", 12, 150, last=2)
+    order: list[str] = []
+    a_done = anyio.Event()
+
+    async def turn(name: str, done: anyio.Event | None) -> None:
+        async with locks.hold(("u", "c", name)):
+            await anyio.sleep(0)  # both hold their locks before either asks for room
+            await mem.turn_room(("u", "c", name), "codex")
+            order.append(f"{name} runs")
+            if done is not None:
+                await done.wait()
+            order.append(f"{name} ended")
+        mem.notify()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turn, "a", a_done)
+            tg.start_soon(turn, "b", None)
+            await anyio.wait_all_tasks_blocked()
+            assert order == ["a runs"]  # b waits: a in its turn (300) + b's turn (300) > 500
+            assert sample(registry, "cloud_agent_resident_memory_waiting") == 1
+            a_done.set()
+    assert order == ["a runs", "a ended", "b runs", "b ended"]
+    assert sorted(k[2] for k in pool.keys()) == ["a", "b"]  # nobody retired: a was busy, then it fitted
+    assert 'cloud_agent_resident_memory_waits_total{kind="turn"} 1.0' in generate_latest(registry).decode()
+
+
+async def test_a_turn_with_nothing_to_wait_for_goes_even_over_the_budget() -> None:
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    mem = ResidentMemory(200 * MiB, pool=pool, locks=locks, registry=CollectorRegistry(), refresh_s=60,
+                         reader=reader)  # type: ignore[arg-type]
+    mem.policy.learn("codex", 300 * MiB)
+    resident(pool, reader, "a", 11, 150, last=1)
+    with anyio.fail_after(5):
+        async with locks.hold(("u", "c", "a")):
+            await mem.turn_room(("u", "c", "a"), "codex")  # one resident larger than the budget still runs
+    assert pool.keys() == [("u", "c", "a")]

@@ -91,6 +91,12 @@ class Admission:
                 return pos
         return None
 
+    def admits_at_once(self, chat: Chat) -> bool:
+        """A job for ``chat`` would be granted now: nobody waits, a turn slot is free, and its
+        sandbox needs no room another one has to give up."""
+        return (not self.queue and (self.max_turns is None or self.running < self.max_turns)
+                and self.room.fits_at_once(chat))
+
     async def admit(self, user_id: str, chat_id: str, job_id: str,
                     on_position: Callable[[QueuedEvent], None]) -> Grant:
         ticket = Ticket(user_id=user_id, chat=(user_id, chat_id), job_id=job_id, on_position=on_position)

@@ -51,6 +51,13 @@ class SandboxRoom:
             self.admitted[chat] += 1
         return placement
 
+    def fits_at_once(self, chat: Chat) -> bool:
+        """:meth:`place` would answer at once and stop nobody (it is not asked: placing counts)."""
+        if chat in self.evicting:
+            return False
+        return (chat in self.running or chat in self.admitted or self.max_running is None
+                or self.occupied() < self.max_running)
+
     def release(self, chat: Chat) -> None:
         self.admitted[chat] -= 1
         if self.admitted[chat] <= 0:

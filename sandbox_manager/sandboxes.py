@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -37,7 +37,7 @@ import structlog
 
 from sandbox_manager.chat_containers import ChatContainers, started_at
 from sandbox_manager.disk_bound import DISK_QUOTA
-from sandbox_manager.engine import Engine, ImageInfo, NotFound
+from sandbox_manager.engine import ContainerInfo, Engine, ImageInfo, NotFound
 from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
 from sandbox_manager.integrity import Facts, IntegrityFacts
 from sandbox_manager.member_processes import MemberProcesses
@@ -45,6 +45,7 @@ from sandbox_manager.migration import ASIDE_SUFFIX, migrate
 from sandbox_manager.replacement import BeforeReplace, Replacement, replace
 from sandbox_manager.sandbox import Sandbox
 from sandbox_manager.sandbox_config import SandboxConfig
+from sandbox_manager.sealing import ModelGateNotReady
 from sandbox_manager.volumes import check_marker, check_mount, check_volume, volume_name
 from state.records import SandboxRecord, SandboxState
 from state.store import Store, now
@@ -163,14 +164,8 @@ class SandboxManager(ChatContainers, MemberProcesses):
             return self._replaced(await replace(self, rec, current, info, Replaced.RESEALED, before_replace), current)
         started = False
         if not info.running:
-            t = time.time()
-            await check_marker(self.engine, rec, info.id)
-            await self.engine.start(info.id)
-            info = await self.engine.inspect(info.id)
-            self.saw_marker(info)
+            info = await self._start_checked(rec, info.id)
             started = True
-            log.info("sandbox.started", container=rec.container_name)
-            await self.gate_ready(info, t)
         elif self._marker_seen.get(info.id) != started_at(info):
             await check_marker(self.engine, rec, info.id)  # first sight of this run by this daemon
             self.saw_marker(info)
@@ -212,7 +207,6 @@ class SandboxManager(ChatContainers, MemberProcesses):
             raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record")
         vol, volume_id = await self.new_volume(user_id, chat_id, root)
         info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol))
-        await self.write_marker(info.id, user_id, chat_id, volume_id)
         t = time.time()
         await self.engine.start(info.id)
         info = await self.engine.inspect(info.id)
@@ -222,11 +216,87 @@ class SandboxManager(ChatContainers, MemberProcesses):
                             image_id=image.id, data_root_id=root, host_id=self.config.host_id,
                             state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
                             volume_name=vol, volume_id=volume_id)
-        await self.store.put_sandbox(rec)
-        self._changed(user_id, chat_id, SandboxState.RUNNING)
-        log.info("sandbox.created", container=name, volume=vol, image=image.id[:19], network="none")
-        await self.gate_ready(info, t)
+
+        async def mark_and_record() -> None:
+            await self.write_marker(info.id, user_id, chat_id, volume_id)
+            await self.store.put_sandbox(rec)
+            self._changed(user_id, chat_id, SandboxState.RUNNING)
+            log.info("sandbox.created", container=name, volume=vol, image=image.id[:19], network="none")
+
+        await self._while_gate_comes_up(info, t, mark_and_record)
         return Sandbox(record=rec, container=info, image=image, created=True)
+
+    async def _start_checked(self, rec: SandboxRecord, container_id: str) -> ContainerInfo:
+        """Start a stopped container, its model gate up, while its volume's marker is read: the
+        read (an archive call, ~0.1 s) came before every start until now (issue 16). A marker
+        that is wrong stops the container again and is raised as before: nothing ran in it but
+        its model gate, and no CLI is ever launched on a volume that is not the chat's. A marker
+        problem is raised over a gate that did not come up."""
+        marker_failed: BaseException | None = None
+        failure: BaseException | None = None
+        t = time.time()
+
+        async def marker() -> None:
+            nonlocal marker_failed
+            try:
+                await check_marker(self.engine, rec, container_id)
+            except Exception as exc:  # raised below, as itself (a task group would wrap it in a group)
+                marker_failed = exc
+                tg.cancel_scope.cancel()  # no need to wait for the gate of a container that is LOST
+
+        info: ContainerInfo | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(marker)
+            try:
+                await self.engine.start(container_id)
+                info = await self.engine.inspect(container_id)
+                self.saw_marker(info)
+                log.info("sandbox.started", container=rec.container_name)
+                await self.gate_ready(info, t)
+            except Exception as exc:  # the marker's read is awaited still: its verdict comes first
+                failure = exc
+        if marker_failed is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.engine.stop(container_id)
+                except Exception as exc:  # noqa: BLE001 - the verdict stands; the container is LOST either way
+                    log.warning("sandbox.stop_after_marker_failed", container=rec.container_name, error=repr(exc))
+            raise marker_failed
+        if failure is not None:
+            raise failure
+        assert info is not None
+        return info
+
+    async def _while_gate_comes_up(self, info: ContainerInfo, since: float, work: Callable[[], Awaitable[None]]) -> None:
+        """``work`` (the volume's marker, then the record) while the container's model gate comes
+        up: each is tens of milliseconds of engine time, the create path's two largest after the
+        start itself (issue 16: create+start was 1.8x the raw SDK's). ``work`` always finishes —
+        a gate that never reports listening must not leave a started container unrecorded (its
+        chat would be LOST as ``sandbox_unrecorded``) — and the gate's failure is raised after it.
+        The marker is written to the started container: nothing in it reads the marker, and the
+        record that makes the container the chat's is still written only after it."""
+        gate_failed: ModelGateNotReady | None = None
+        failure: BaseException | None = None
+
+        async def gate() -> None:
+            nonlocal gate_failed
+            try:
+                await self.gate_ready(info, since)
+            except ModelGateNotReady as exc:
+                gate_failed = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gate)
+            try:
+                with anyio.CancelScope(shield=True):
+                    await work()
+            except Exception as exc:  # raised below, as itself (a task group would wrap it in a group)
+                failure = exc
+                tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if gate_failed is not None:
+            raise gate_failed
 
     async def destroy(self, user_id: str, chat_id: str) -> bool:
         """:meth:`remove` under the chat's lock (no resolve of this chat recreates the container

@@ -227,7 +227,10 @@ async def test_lost_when_another_chats_content_carries_this_chats_name_and_label
     assert docker_client.api.containers(all=True, filters={"name": a.record.container_name}) == []
 
 
-async def test_the_marker_is_read_before_a_stopped_container_starts(manager: SandboxManager, docker_client) -> None:
+async def test_a_stopped_container_whose_marker_is_wrong_is_refused_and_left_stopped(manager: SandboxManager,
+                                                                                     docker_client) -> None:
+    """The marker is read while the container starts (issue 16); a wrong one stops it again
+    before anything but its model gate ran, and nothing of the chat's is launched in it."""
     user, chat = ids()
     sb = await manager.resolve(user, chat)
     manager.release(sb)

@@ -143,3 +143,27 @@ async def test_the_front_job_waits_for_room_and_gets_the_victim() -> None:
         assert got == [] and adm.position_of("b", "j2") == 1  # a turn slot is free, but no room
         adm.release(g1)  # c1 idle now: c2 is admitted with c1 to stop
     assert got[0].victim == ("a", "c1") and got[0].queued
+
+
+def test_admits_at_once_agrees_with_a_grant_that_neither_waits_nor_stops_a_sandbox() -> None:
+    """The supervisor skips its fence read for a job admitted at once (the claim answers a
+    repeat): the prediction must never say "at once" for a job that would wait or evict."""
+    room = SandboxRoom(1, busy=lambda chat: False, clock=lambda: 0.0)
+    adm = Admission(max_turns=2, timeout_s=10, room=room)
+    a, b = ("u", "a"), ("u", "b")
+    assert adm.admits_at_once(a) and room.fits_at_once(a)
+    assert room.place(a) == Placement()
+    room.mark_running(a)
+    assert adm.admits_at_once(a)  # its sandbox is already running: no room needed
+    assert not adm.admits_at_once(b)  # the one sandbox slot is a's: b's needs a stop first
+    room.release(a)
+    assert room.place(b) == Placement(victim=a)  # ...as place() says
+    assert not adm.admits_at_once(a)  # a is being stopped: its job waits for the stop
+    room.mark_stopped(a)
+    room.mark_running(b)
+    assert adm.admits_at_once(b)
+    adm.running = 2
+    assert not adm.admits_at_once(b)  # no turn slot free
+    adm.running = 0
+    adm.queue.push("v", object())  # type: ignore[arg-type]
+    assert not adm.admits_at_once(b)  # someone waits: a new job queues behind them

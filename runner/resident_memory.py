@@ -121,10 +121,11 @@ class ResidentMemory:
         self._pss = {k: v for k, v in self._pss.items() if k in live}
         self.metrics.pss.set(sum(self._pss.values()))
 
-    def uses(self, *, dying: bool = True) -> list[ResidentUse]:
+    def uses(self, *, dying: bool = True, planning: MemberKey | None = None) -> list[ResidentUse]:
+        """``planning``: the member whose waiting turn is being planned, counted as in its turn."""
         live = [ResidentUse(key=r.key, runtime=r.runtime, measured=r.measured_bytes, last_used=r.last_used,
                             busy=self.locks.busy(r.key),
-                            in_turn=self.locks.held(r.key) and r.key not in self._turn_waiting)
+                            in_turn=self.locks.held(r.key) and (r.key == planning or r.key not in self._turn_waiting))
                 for r in self.pool.residents()]
         gone = [ResidentUse(key=r.key, runtime=r.runtime, measured=r.measured_bytes, last_used=r.last_used,
                             busy=True) for r in self.pool.retiring()] if dying else []
@@ -193,14 +194,12 @@ class ResidentMemory:
 
     async def _turn_attempt(self, key: MemberKey) -> str:
         await self.refresh()
-        self._turn_waiting.discard(key)  # planned as what it is about to be: a resident in a turn
-        uses = self.uses()
+        uses = self.uses(planning=key)  # planned as what it is about to be: a resident in a turn
         plan = self.policy.plan(uses, None, sum(self.reserved.values()))
         if plan.fits:
             return "done" if await self._retire(plan.retire, "turn") == len(plan.retire) else "again"
         if not self.reserved and not any(u.in_turn and u.key != key for u in uses):
             return "done"  # nothing to wait for: no turn will end and give room back
-        self._turn_waiting.add(key)
         return "wait"
 
     async def _in_line(self, runtime: str, kind: str, attempt: Callable[[], Awaitable[str]]) -> None:
@@ -215,7 +214,7 @@ class ResidentMemory:
         and the waiting member's own lock keeps no resident of its own busy. Until stop 22 a
         launch that had waited a whole turn timeout went ahead over the budget; in the 48-chat
         load run that happened 3 and 5 times and the host's peak was 35% over the budget. Long
-        waits are reported (``memory_budget.launch_still_waits``) and counted (the gauge)."""
+        waits are reported (``memory_budget.<kind>_still_waits``) and counted (the gauge)."""
         waited_since: float | None = None
         reported = 0.0
         ticket = object()

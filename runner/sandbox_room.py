@@ -53,8 +53,10 @@ class SandboxRoom:
 
     def fits_at_once(self, chat: Chat) -> bool:
         """:meth:`place` would answer at once and stop nobody (it is not asked: placing counts)."""
-        if chat in self.evicting:
-            return False
+        return chat not in self.evicting and self._needs_no_room(chat)
+
+    def _needs_no_room(self, chat: Chat) -> bool:
+        """Its sandbox runs or is admitted already, or a free slot is there for it."""
         return (chat in self.running or chat in self.admitted or self.max_running is None
                 or self.occupied() < self.max_running)
 
@@ -68,9 +70,7 @@ class SandboxRoom:
     def _placement(self, chat: Chat) -> Placement | None:
         if chat in self.evicting:
             return None  # wait for its stop to finish, then it needs room like any stopped one
-        if chat in self.running or chat in self.admitted:
-            return Placement()
-        if self.max_running is None or self.occupied() < self.max_running:
+        if self._needs_no_room(chat):
             return Placement()
         idle = [(used, c) for c, used in self.running.items()
                 if c not in self.evicting and c not in self.admitted and not self.busy(c)]

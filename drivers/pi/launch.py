@@ -8,12 +8,14 @@ Decisions (measured on 0.73.1 against the loopback fixture, tests/cli/test_pi_dr
   settle as a success. The Anthropic provider reports the same cut as an error
   ("Anthropic stream ended before message_stop"). ``openai-completions`` stays available
   (``PiSettings.api``) for gateways without the Messages route.
-* **API key: ``"!printenv CA_PI_GATEWAY_KEY"``.** pi resolves a plain ``apiKey`` string as an
-  environment variable name *if that variable exists* and otherwise sends the string itself
-  as the key (seen: the literal name reached the fixture as the credential). The ``!`` form
-  runs the command instead; when the variable is missing it prints nothing, pi refuses the
-  call ("Failed to resolve API key … from shell command") and **no request is sent**. The
-  variable is set in the plain environment: it holds the sandbox's placeholder (the model proxy holds the real key).
+* **API key: ``"CA_PI_GATEWAY_KEY"``, the variable's name.** pi resolves a ``models.json``
+  ``apiKey`` on *every request* and without a cache (``model-registry`` calls
+  ``resolveConfigValueUncached``). A name is looked up in ``process.env``; the ``!cmd`` form
+  runs ``execSync`` in a shell each time, blocking pi's event loop: measured 6.3 ms of a 15 ms
+  LIVE turn (the driver used ``!printenv`` until stop 26). A missing variable makes pi send the
+  name itself as the key; that costs nothing now: the model proxy drops every credential a
+  sandbox sends and sets the real key (SPEC 7), and the variable holds only the sandbox's
+  placeholder.
 * **Retries: pi's auto-retry stays on, bounded** (``retry.maxRetries``, ``baseDelayMs``
   doubling), and the SDK's own HTTP retries are off (``retry.provider.maxRetries: 0``) so every
   retry is a visible ``auto_retry_start`` inside the same native turn: a transient 5xx never
@@ -82,7 +84,7 @@ def models_json(gateway: GatewayConfig, settings: PiSettings) -> str:
     provider: dict[str, object] = {
         "api": settings.api,
         "baseUrl": base if settings.api == "anthropic-messages" else f"{base}/v1",
-        "apiKey": f"!printenv {KEY_ENV}",
+        "apiKey": KEY_ENV,  # looked up in pi's environment per request: no shell (module docstring)
         "models": [{"id": gateway.model, "name": gateway.model, "reasoning": False, "input": ["text"],
                     "contextWindow": settings.context_window, "maxTokens": settings.max_tokens}],
     }

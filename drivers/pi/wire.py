@@ -42,7 +42,7 @@ from drivers.session import Tracker, TurnStart
 EVIDENCE = "pi:agent_end+get_state"
 TEXT_JOINER = "\n\n"
 
-# pi's own wording when the models.json apiKey command yields nothing (our `!printenv` guard)
+# pi's own wording when no API key resolves (recorded with the `!printenv` apiKey the driver used until stop 26)
 _KEY_MISSING = re.compile(r"Failed to resolve API key|No API key found", re.IGNORECASE)
 _STATUS = re.compile(r"^\s*(\d{3})\b")
 

@@ -28,8 +28,6 @@ import re
 LAUNCH_PROSE: dict[str, str] = {
     # Pi runs this before every bash tool command: the gateway key must not reach tool processes.
     "unset CA_PI_GATEWAY_KEY": "pi settings.json shellCommandPrefix (a shell prefix, never model text)",
-    # Pi reads its API key from this command's output, so the key is never in a file.
-    "!printenv CA_PI_GATEWAY_KEY": "pi models.json apiKey (a key command, never model text)",
     "cloud-agent gateway": "codex config.toml model provider display name (a label, never model text)",
 }
 

@@ -38,8 +38,9 @@ def test_config_files() -> None:
     f = files(PiDriver().plan(PATHS, GW, None))
     provider = f["models.json"]["providers"]["gateway"]
     assert provider["api"] == "anthropic-messages" and provider["baseUrl"] == "http://127.0.0.1:4000"
-    # `!cmd`: a missing variable yields no key (pi refuses); a bare name would be sent literally
-    assert provider["apiKey"] == f"!printenv {KEY_ENV}"
+    # the variable's name: pi looks it up in its environment on every request, without a shell
+    # (`!printenv` cost an execSync per request); the value stays out of every file
+    assert provider["apiKey"] == KEY_ENV
     assert provider["models"][0]["id"] == "fixture-model"
     settings = f["settings.json"]
     assert settings["defaultProvider"] == "gateway" and settings["defaultModel"] == "fixture-model"

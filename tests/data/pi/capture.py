@@ -57,7 +57,8 @@ async def scenario(fx: LoopbackFixture, name: str, messages: list[str], *, inter
     bindir = os.environ.get("PI_BIN_DIR", "")
     driver = PiDriver(extra_env={"PATH": f"{bindir}:/usr/bin:/bin"}, retry_base_delay_ms=200, **settings)
     launch = driver.plan(paths, GatewayConfig(base_url=fx.base_url, key="sk-capture", model="fixture-model"), None)
-    if drop_key:  # the key variable never reaches pi: models.json's `!printenv` yields nothing
+    if drop_key:  # the key variable never reaches pi (recorded with the `!printenv` apiKey of pi 0.73.1's
+        # driver until stop 26: pi refused to send; with today's bare name pi sends the name itself)
         env = {k: v for k, v in launch.spec.env.items() if k != "CA_PI_GATEWAY_KEY"}
         launch = launch.model_copy(update={"spec": launch.spec.model_copy(update={"env": env})})
     inner = await LocalProcessTransport.start(launch.spec, run_dir=Path(paths.run_dir))

@@ -69,7 +69,11 @@ class IntegrityFacts:
         self._facts: dict[str, Facts] = {}
         self._connection = 0  # 0 while no stream is connected
         self._generation = 0  # bumped by every invalidation of everything
+        # per container: bumped by each of its events that drops facts (a check that began before
+        # it is not kept). A destroyed container's entry goes (its id never comes back); absent
+        # entries then read as -destroyed, so a token taken before any destroy no longer matches.
         self._container_gen: dict[str, int] = {}
+        self._destroyed = 0
         self.events_seen = 0
 
     @property
@@ -82,11 +86,11 @@ class IntegrityFacts:
         """Taken before a check; None while facts cannot be kept (no live stream)."""
         if not self._connection:
             return None
-        return Token(self._connection, self._generation, self._container_gen.get(container_id, 0))
+        return Token(self._connection, self._generation, self._container_of(container_id))
 
     def put(self, token: Token | None, facts: Facts) -> None:
         cid = facts.container.id
-        if token is None or token != Token(self._connection, self._generation, self._container_gen.get(cid, 0)):
+        if token is None or token != Token(self._connection, self._generation, self._container_of(cid)):
             return  # something happened since the check began: keep nothing
         self._facts[cid] = facts
 
@@ -98,9 +102,18 @@ class IntegrityFacts:
             return None
         return facts
 
+    def _container_of(self, container_id: str) -> int:
+        return self._container_gen.get(container_id, -self._destroyed)
+
     def forget(self, container_id: str) -> None:
-        self._container_gen[container_id] = self._container_gen.get(container_id, 0) + 1
+        self._container_gen[container_id] = max(self._container_of(container_id), 0) + 1
         self._facts.pop(container_id, None)
+
+    def destroyed(self, container_id: str) -> None:
+        """The container is gone for good: nothing of it is kept, not even its counter."""
+        self._container_gen.pop(container_id, None)
+        self._facts.pop(container_id, None)
+        self._destroyed += 1
 
     def forget_all(self) -> None:
         self._generation += 1
@@ -115,7 +128,9 @@ class IntegrityFacts:
         action = str(event.get("Action") or event.get("status") or "").split(":", 1)[0]
         actor = (event.get("Actor") or {}).get("ID") or event.get("id") or ""
         if kind == "container":
-            if action not in HARMLESS:
+            if action == "destroy":
+                self.destroyed(actor)
+            elif action not in HARMLESS:
                 self.forget(actor)
         elif kind == "image":
             if action in ("delete", "untag"):

@@ -143,6 +143,28 @@ async def test_a_check_that_raced_an_event_is_not_kept(live) -> None:
     assert cache.get("c1", "root-1") is None
 
 
+async def test_a_destroyed_container_leaves_nothing_behind_and_no_check_of_it_is_kept(live) -> None:
+    cache, engine = live
+    for n in range(50):  # containers come and go: their counters must not pile up
+        cid = f"gone-{n}"
+        await checked(cache, cid)
+        await engine.emit("container", "die", cid)
+        await engine.emit("container", "destroy", cid)
+    await checked(cache, "kept")
+    await engine.emit("container", "die", "kept")
+    assert set(cache._container_gen) == {"kept"} and not cache._facts
+    # a check that began before a destroy is never kept: neither of a container that had no
+    # event yet (its counter was absent) nor of one that had (its counter was dropped)
+    fresh, seen = cache.token("c1"), cache.token("kept")
+    await engine.emit("container", "destroy", "c1")
+    await engine.emit("container", "destroy", "kept")
+    cache.put(fresh, facts("c1"))
+    cache.put(seen, facts("kept"))
+    assert cache.get("c1", "root-1") is None and cache.get("kept", "root-1") is None
+    await checked(cache, "c2")  # a check that began after it is kept
+    assert cache.get("c2", "root-1") is not None
+
+
 async def test_a_stream_gap_drops_everything_and_reconnects(live) -> None:
     cache, engine = live
     await checked(cache)

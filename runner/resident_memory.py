@@ -65,6 +65,8 @@ class ResidentMemory:
         self.metrics.budget.set(budget_bytes)
         self.reserved: dict[MemberKey, int] = {}
         self._queue: list[object] = []  # launches and turns waiting to make room, in arrival order
+        self._turn_tickets: set[object] = set()  # the turns' tickets in that line (see _in_line)
+        self._planning = anyio.Lock()  # one attempt plans at a time (a launch and a turn may both be next)
         self._turn_waiting: set[MemberKey] = set()  # members whose turn waits in line for room
         self._pss: dict[int, int] = {}  # id(resident) -> its last PSS reading
         self.last_reading = 0.0
@@ -173,8 +175,8 @@ class ResidentMemory:
         reading (it is not growing), so two turns waiting for each other's room never deadlock;
         and a turn with no other turn or launch to wait for goes ahead (one resident larger than
         the budget must still run, as a launch into an empty host does)."""
-        if not self._queue and self.committed() <= self.policy.budget:
-            return
+        if not self._turn_waiting and self.committed() <= self.policy.budget:
+            return  # a launch waiting in line does not hold a turn back (_in_line)
         self._turn_waiting.add(key)
         try:
             await self._in_line(runtime, "turn", lambda: self._turn_attempt(key))
@@ -214,15 +216,25 @@ class ResidentMemory:
         and the waiting member's own lock keeps no resident of its own busy. Until stop 22 a
         launch that had waited a whole turn timeout went ahead over the budget; in the 48-chat
         load run that happened 3 and 5 times and the host's peak was 35% over the budget. Long
-        waits are reported (``memory_budget.<kind>_still_waits``) and counted (the gauge)."""
+        waits are reported (``memory_budget.<kind>_still_waits``) and counted (the gauge).
+
+        Turns are not held behind launches: a turn is next when no earlier *turn* waits. A turn
+        waiting holds its member's lock, so its resident is busy and no launch may retire it;
+        behind a launch that waited for room, every resident's turn waited for that launch and
+        the host stalled for good (seen in bench_supervisor's 16-chat Kilo run at stop 26: 15
+        launches behind one, nothing running, for minutes). A turn that goes first ends, its
+        resident turns idle, and the launch retires it or fits."""
         waited_since: float | None = None
         reported = 0.0
         ticket = object()
         self._queue.append(ticket)
+        if kind == "turn":
+            self._turn_tickets.add(ticket)
         try:
             while True:
-                if self._queue[0] is ticket:
-                    outcome = await attempt()
+                if self._is_next(ticket):
+                    async with self._planning:
+                        outcome = await attempt()
                     if outcome == "done":
                         return
                     if outcome == "again":
@@ -246,8 +258,14 @@ class ResidentMemory:
             if waited_since is not None:
                 self.metrics.waiting.dec()
             self._queue.remove(ticket)
+            self._turn_tickets.discard(ticket)
             if self._queue:
                 self.notify()  # the next one in line plans now
+
+    def _is_next(self, ticket: object) -> bool:
+        if ticket in self._turn_tickets:
+            return next(t for t in self._queue if t in self._turn_tickets) is ticket
+        return self._queue[0] is ticket
 
     # -- the periodic check -----------------------------------------------------------------------
 

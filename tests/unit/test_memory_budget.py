@@ -395,3 +395,50 @@ async def test_a_turn_with_nothing_to_wait_for_goes_even_over_the_budget() -> No
         async with locks.hold(("u", "c", "a")):
             await mem.turn_room(("u", "c", "a"), "codex")  # one resident larger than the budget still runs
     assert pool.keys() == [("u", "c", "a")]
+
+
+async def test_turns_are_not_held_behind_a_launch_that_waits_for_their_residents() -> None:
+    """a and b are in turns (their locks held) when a launch needs room that only they can give.
+    Their turns' own room must not wait behind that launch: the launch waits for them to go
+    idle, and they would wait for it (the host stalled this way in a 16-chat Kilo run)."""
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    registry = CollectorRegistry()
+    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
+                         reader=reader)  # type: ignore[arg-type]
+    mem.policy.learn("codex", 300 * MiB)
+    resident(pool, reader, "a", 11, 150, last=1)
+    resident(pool, reader, "b", 12, 150, last=2)
+    order: list[str] = []
+    holding = anyio.Event()
+    asked = anyio.Event()
+
+    async def turn(name: str) -> None:
+        async with locks.hold(("u", "c", name)):
+            if name == "b":
+                holding.set()
+            await asked.wait()  # the launch is in line first
+            await mem.turn_room(("u", "c", name), "codex")
+            order.append(f"{name} runs")
+            await anyio.sleep(0.01)
+            order.append(f"{name} ended")
+        mem.notify()
+
+    async def launch() -> None:
+        await holding.wait()
+        async with mem.launching(("u", "c", "new"), "codex"):
+            order.append("launch goes")
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turn, "a")
+            tg.start_soon(turn, "b")
+            tg.start_soon(launch)
+            await anyio.wait_all_tasks_blocked()
+            assert order == [] and len(mem._queue) == 1  # the launch waits: a and b are busy
+            asked.set()
+    # one turn's growth fits beside the other's reading, b's waits for a's turn to end; once a is
+    # idle the launch may retire it (least recently used) — before or after b's turn runs
+    assert order[:2] == ["a runs", "a ended"]
+    assert sorted(order[2:]) == ["b ended", "b runs", "launch goes"] and order.index("b runs") < order.index("b ended")
+    assert sorted(k[2] for k in pool.keys()) == ["b"]
+    assert 'cloud_agent_resident_memory_retirements_total{cause="launch"} 1.0' in generate_latest(registry).decode()

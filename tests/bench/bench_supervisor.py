@@ -244,6 +244,8 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         for b in bares:
             tg.start_soon(bare_chat, b)
     out["tp_b"] = len(bares) * rounds / (time.perf_counter() - t)
+    if failures:  # a run with failures still prints its figures, and says what failed
+        print(f"{runtime}: {len(failures)} failures: {sorted(set(failures))}", flush=True)
     out["load"]["throughput"] = load()
     out["failures"] = failures
     for b in bares:
@@ -335,7 +337,7 @@ def row(runtime: str, r: dict[str, Any]) -> str:
             f"{statistics.median(r['live_d']) - statistics.median(r['live_b']):9.1f} {pct(added, 99):9.1f} "
             f"{statistics.median(r['rest_d']):10.0f} {statistics.median(r['rest_b']):7.0f} "
             f"{statistics.median(r['rest_d']) / statistics.median(r['rest_b']):6.3f} {first} "
-            f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b']:8.3f} {len(r['failures']):4}  "
+            f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b'] if r['tp_b'] else float('nan'):8.3f} {len(r['failures']):4}  "
             f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
     if r["failures"]:
         line += f"\n  failures: {r['failures']}"

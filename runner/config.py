@@ -65,6 +65,8 @@ class Settings(BaseModel):
     max_turns: int | None = Field(default=32, ge=1, description="CLOUD_AGENT_MAX_TURNS: admitted jobs at once")
     max_running_sandboxes: int | None = Field(default=64, ge=1, description="CLOUD_AGENT_MAX_RUNNING_SANDBOXES")
     queue_timeout_s: float = Field(default=30.0, gt=0, description="CLOUD_AGENT_QUEUE_TIMEOUT_S: then 503 host_busy")
+    max_launches: int | None = Field(default=None, ge=1, description="CLOUD_AGENT_MAX_LAUNCHES: CLIs starting at "
+                                     "once, process start to handshake (default: the host's CPU count)")
     resident_memory_mb: int | None = Field(default=None, ge=1,
                                            description="CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the host's")
     memory_refresh_s: float = Field(default=5.0, gt=0, description="CLOUD_AGENT_MEMORY_REFRESH_S: reading period")
@@ -190,6 +192,7 @@ _ENV = {
     "CLOUD_AGENT_MAX_MESSAGE_BYTES": "max_message_bytes", "CLOUD_AGENT_MAX_BODY_BYTES": "max_body_bytes",
     "CLOUD_AGENT_EVENT_BUFFER_BYTES": "event_buffer_bytes", "CLOUD_AGENT_MAX_TURNS": "max_turns",
     "CLOUD_AGENT_MAX_RUNNING_SANDBOXES": "max_running_sandboxes", "CLOUD_AGENT_QUEUE_TIMEOUT_S": "queue_timeout_s",
+    "CLOUD_AGENT_MAX_LAUNCHES": "max_launches",
     "CLOUD_AGENT_RESIDENT_MEMORY_MB": "resident_memory_mb", "CLOUD_AGENT_MEMORY_REFRESH_S": "memory_refresh_s",
     "CLOUD_AGENT_SANDBOX_DISK_MB": "sandbox_disk_mb", "CLOUD_AGENT_RETAIN_DAYS": "retain_days",
     "CLOUD_AGENT_SWEEP_INTERVAL_S": "sweep_interval_s",

@@ -34,6 +34,7 @@ from runner.config import Settings
 from runner.forks import Forker
 from runner.housekeeping import Heartbeat, Housekeeping
 from runner.job_stream import JobStream
+from runner.launch_slots import LaunchSlots, default_slots
 from runner.member_locks import MemberLocks
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
@@ -107,12 +108,14 @@ class Supervisor:
         self.sweeps = Sweeps(store=store, capacity=self.capacity, retain_days=settings.retain_days)
         self.memory = ResidentMemory(settings.resident_memory_bytes(), pool=self.pool, locks=self.locks,
                                      registry=self.metrics.registry, refresh_s=settings.memory_refresh_s)
+        self.launch_slots = LaunchSlots(settings.max_launches or default_slots(), self.metrics.registry)
         self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, model_path=self.model_path,
                                  models=settings.models,
                                  turn_timeout_s=settings.turn_timeout_s,
                                  handshake_timeout_s=settings.handshake_timeout_s, hooks=self.hooks,
                                  driver_options=driver_options(settings, manager.config.pins),
                                  launch_gate=self.memory.launching, turn_gate=self.memory.turn_room,
+                                 launch_slots=self.launch_slots,
                                  keepers=self.keepers)
         self.heartbeat = Heartbeat(interval_s=settings.heartbeat_interval_s)
         self.housekeeping = Housekeeping(settings, store=store, manager=manager, pool=self.pool, locks=self.locks,

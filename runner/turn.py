@@ -34,6 +34,7 @@ from images.pins import load_pins
 from runner.alongside import alongside
 from runner.processes import member_paths, start_in_sandbox
 from runner.keepers import Keepers
+from runner.launch_slots import LaunchSlots
 from runner.hooks import TestHooks
 from runner.residents import Resident, ResidentPool
 from runner.model_path import ModelPath
@@ -77,7 +78,7 @@ class TurnRunner:
                  models: dict[str, str], turn_timeout_s: float, handshake_timeout_s: float,
                  hooks: TestHooks | None = None, driver_options: DriverOptions | None = None,
                  launch_gate: LaunchGate | None = None, turn_gate: TurnGate | None = None,
-                 keepers: Keepers | None = None,
+                 keepers: Keepers | None = None, launch_slots: LaunchSlots | None = None,
                  drivers: Callable[[str, DriverOptions | None], Driver] = get_driver) -> None:
         self.store = store
         self.keepers = keepers  # residents run under in-sandbox keepers (SPEC 14); None: plain execs
@@ -95,6 +96,7 @@ class TurnRunner:
         # place until the resident is in the pool.
         self.launch_gate = launch_gate
         self.turn_gate = turn_gate  # and until a turn on a resident has room to grow
+        self.launch_slots = launch_slots  # CLIs starting at once, process start to handshake
         # (user_id, job_id) -> why a turn is being cancelled (its receipt's reason), e.g. chat_deleted
         self.cancel_reasons: dict[tuple[str, str], str] = {}
         self.drivers = drivers  # (runtime, launch inputs) -> driver: the registry
@@ -300,8 +302,7 @@ class TurnRunner:
         return session
 
     async def _launch(self, ctx: TurnContext, key: tuple[str, str, str], resume: Locator | None) -> NativeSession:
-        job, sandbox = ctx.job, ctx.sandbox
-        assert sandbox is not None
+        job = ctx.job
         driver = self.driver(job.runtime)
         assert ctx.member is not None
         dirs = self.manager.member_dirs(ctx.member.home_member_id)
@@ -314,6 +315,16 @@ class TurnRunner:
             launch: Launch = driver.plan_fork(member_paths(dirs), gateway, parent, pending.at_turn)
         else:
             launch = driver.plan(member_paths(dirs), gateway, resume)
+        async with self.launch_slots.hold(job.runtime) if self.launch_slots else nullcontext():
+            mark("launch_slot")
+            return await self._start(ctx, key, driver, launch)
+
+    async def _start(self, ctx: TurnContext, key: tuple[str, str, str], driver: Driver,
+                     launch: Launch) -> NativeSession:
+        """Start the CLI (under the memory budget's gate) and take its handshake."""
+        job, sandbox = ctx.job, ctx.sandbox
+        assert sandbox is not None and ctx.member is not None
+        dirs = self.manager.member_dirs(ctx.member.home_member_id)
         keepers = self.keepers
         host_init_pid = sandbox.container.attrs.get("State", {}).get("Pid") or None
         async with self.launch_gate(key, job.runtime) if self.launch_gate else nullcontext():

@@ -33,6 +33,7 @@ from drivers.session import NativeSession, Tracker, TurnStart
 from drivers.transport import Transport
 from proxy import ProxyConfig
 from runner.config import load_settings
+from runner.launch_slots import LaunchSlots
 from runner.model_path import ModelPath
 from runner.residents import ResidentPool
 from runner.turn import TestHooks as Hooks  # not collected as a test class
@@ -56,7 +57,10 @@ Turn = Callable[["FakeSession"], TurnOutcome]
 class Script:
     """What the fake CLI does: one handshake result per launch, one outcome per turn."""
 
-    handshakes: list[HandshakeFailed | str | None] = field(default_factory=list)  # "hang": never answers
+    # "hang": never answers; a float: answers after that many seconds
+    handshakes: list[HandshakeFailed | str | float | None] = field(default_factory=list)
+    handshaking: int = 0  # handshakes in flight now, and the most at once
+    most_handshaking: int = 0
     turns: list[Turn] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
     messages: list[str] = field(default_factory=list)  # every message that reached a CLI
@@ -84,8 +88,15 @@ class FakeSession(NativeSession):
 
     async def handshake(self) -> None:
         step = self.script.handshakes.pop(0) if self.script.handshakes else None
-        if step == "hang":
-            await anyio.sleep_forever()
+        self.script.handshaking += 1
+        self.script.most_handshaking = max(self.script.most_handshaking, self.script.handshaking)
+        try:
+            if step == "hang":
+                await anyio.sleep_forever()
+            if isinstance(step, float):
+                await anyio.sleep(step)
+        finally:
+            self.script.handshaking -= 1
         if isinstance(step, HandshakeFailed):
             raise step
         if not self.launch.resume:
@@ -140,8 +151,9 @@ class Rig:
     events: list[dict[str, Any]] = field(default_factory=list)
     jobs: itertools.count = field(default_factory=itertools.count)
 
-    async def run(self, message: str = "hello", *, runtime: str = "codex", **extra: Any) -> Receipt:
-        job = Job(job_id=f"job-{next(self.jobs)}", user_id=KEY[0], chat_id=KEY[1], member_id=KEY[2], runtime=runtime,
+    async def run(self, message: str = "hello", *, runtime: str = "codex", member_id: str = KEY[2],
+                  **extra: Any) -> Receipt:
+        job = Job(job_id=f"job-{next(self.jobs)}", user_id=KEY[0], chat_id=KEY[1], member_id=member_id, runtime=runtime,
                   message=message, **extra)
         claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(), "me")
         assert claim.kind == "claimed"
@@ -165,7 +177,7 @@ def outcome(r: Receipt) -> tuple[str | None, str, str | None]:
 
 
 @asynccontextmanager
-async def make_rig(tmp_path, **hooks: Any) -> AsyncIterator[Rig]:
+async def make_rig(tmp_path, launch_slots: LaunchSlots | None = None, **hooks: Any) -> AsyncIterator[Rig]:
     store = Store(tmp_path / "store.db")
     engine = FakeEngine()
     sockets = tempfile.mkdtemp(prefix="ca-turn-", dir="/tmp")  # a tmp_path is too long for a socket address
@@ -180,7 +192,8 @@ async def make_rig(tmp_path, **hooks: Any) -> AsyncIterator[Rig]:
     script = Script()
     runner = TurnRunner(store=store, manager=manager, pool=pool, model_path=model_path,
                         models={"codex": "m", "pi": "m"}, turn_timeout_s=5,
-                        handshake_timeout_s=0.5, hooks=Hooks(**hooks), drivers=lambda runtime, options: FakeDriver(script))
+                        handshake_timeout_s=0.5, hooks=Hooks(**hooks), launch_slots=launch_slots,
+                        drivers=lambda runtime, options: FakeDriver(script))
     try:
         async with model_path.running():
             yield Rig(store=store, engine=engine, pool=pool, runner=runner, script=script)
@@ -419,3 +432,48 @@ async def test_a_handshake_that_never_answers_times_out(rig: Rig) -> None:
     assert (ns.outcome.value, ns.reason, ns.settlement.detail) == ("not_settled", "handshake_timeout",
                                                                    "no handshake within 0.5s")
     assert not rig.resident and rig.script.messages == []
+
+
+# -- launch slots (CLOUD_AGENT_MAX_LAUNCHES) -----------------------------------------------------------
+
+async def test_launches_past_the_slots_wait_and_their_wait_is_not_the_handshake_timeout(tmp_path) -> None:
+    """Three members launch at once through one slot; each handshake takes 0.3 s of the 0.5 s
+    timeout. They start one after another (never two handshakes at once), so the last one
+    waits 0.6 s for its slot and still succeeds: only its own handshake is timed."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    slots = LaunchSlots(1, registry)
+    async with make_rig(tmp_path, launch_slots=slots) as rig:
+        rig.script.handshakes = [0.3, 0.3, 0.3]
+        rig.script.turns = [settled(), settled(), settled()]
+        receipts: dict[str, Receipt] = {}
+
+        async def launch(member: str) -> None:
+            receipts[member] = await rig.run(f"hello from {member}", member_id=member)
+
+        async with anyio.create_task_group() as tg:
+            for member in ("m1", "m2", "m3"):
+                tg.start_soon(launch, member)
+        assert {m: outcome(r) for m, r in receipts.items()} == {m: ("NEW", "succeeded", None)
+                                                               for m in ("m1", "m2", "m3")}
+        assert rig.script.most_handshaking == 1
+        assert registry.get_sample_value("cloud_agent_launch_slot_waits_total", {"runtime": "codex"}) == 2
+        assert registry.get_sample_value("cloud_agent_launches_starting") == 0
+        for member in ("m1", "m2", "m3"):
+            await rig.pool.retire((KEY[0], KEY[1], member), "test over")
+
+
+async def test_a_failed_handshake_gives_its_slot_back(tmp_path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    async with make_rig(tmp_path, launch_slots=LaunchSlots(1, registry)) as rig:
+        rig.script.handshakes = ["hang", HandshakeFailed(HandshakeReason.PROCESS_FAILED, "died"), None]
+        rig.script.turns = [settled()]
+        assert outcome(await rig.run("never sent")) == ("NEW", "not_settled", "handshake_timeout")
+        assert outcome(await rig.run("never sent")) == ("NEW", "not_settled", "handshake_process_failed")
+        with anyio.fail_after(2):  # a slot kept by either failure would hold this launch for ever
+            assert outcome(await rig.run("one")) == ("NEW", "succeeded", None)
+        assert registry.get_sample_value("cloud_agent_launch_slot_waits_total", {"runtime": "codex"}) is None
+        assert rig.script.messages == ["one"]

@@ -1,7 +1,7 @@
 """Supervisor overhead for all five CLIs, measured side by side in one run (issue 16).
 
     uv run python tests/bench/bench_supervisor.py [N] [--runtimes claude,codex,pi,opencode,kilo]
-                                                  [--chats 16] [--rounds 3]
+                                                  [--chats 16] [--rounds 3] [--bare-via exec|keeper]
 
 One in-process daemon (uvicorn in this process), its API client in a process of its own
 (tests/bench/api_client.py, as a host's clients are; ``--client inline`` puts it on the
@@ -93,20 +93,27 @@ class Stamps:
 class Bare:
     """The same driver on its own exec in the chat's container, no supervisor in between."""
 
+    via = "exec"  # --bare-via keeper: the CLI under a keeper, as the daemon runs it (the hop's share)
+
     def __init__(self, sup: Any, user: str, chat: str, runtime: str, member: str = "bare") -> None:
         self.sup, self.user, self.chat, self.runtime, self.member = sup, user, chat, runtime, member
         self.driver = sup.runner.driver(runtime)
         self.dirs = sup.manager.member_dirs(member)
         self.session: Any = None
         self.locator: Locator | None = None
+        self.keeper: Any = None
 
     async def start(self, sandbox: Any, resume: Locator | None = None) -> None:
         gateway = self.sup.runner.gateway(self.runtime, self.user, self.chat, self.member)
         if inspect.isawaitable(gateway):  # async since the proxy service (a bench of an older commit runs too)
             gateway = await gateway
         launch = self.driver.plan(member_paths(self.dirs), gateway, resume)
-        proc = await start_in_sandbox(self.sup.manager, sandbox, self.dirs, launch, name="bare")
-        self.session = self.driver.session(exec_transport(proc.stream), launch)
+        if self.via == "keeper":
+            self.keeper = await self.sup.runner.keepers.start(sandbox, self.dirs, launch, self.member)
+            stream = self.keeper.channel
+        else:
+            stream = (await start_in_sandbox(self.sup.manager, sandbox, self.dirs, launch, name="bare")).stream
+        self.session = self.driver.session(exec_transport(stream), launch)
         await self.session.handshake()
 
     async def turn(self, message: str) -> None:
@@ -119,6 +126,9 @@ class Bare:
         if self.session is not None:
             await self.session.close(3.0)
             await self.session.transport.close()
+        if self.keeper is not None:
+            await self.sup.runner.keepers.kill(self.keeper.container_id, self.keeper.run_dir)
+            self.keeper = None
 
 
 async def timed_job(d: Any, job: dict[str, Any]) -> tuple[float, dict[str, Any] | None, int | None, int]:
@@ -383,7 +393,11 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--uvloop", action="store_true", help="run the daemon on uvloop (as `cloud-agent serve` does "
                     "when uvloop is installed: uvicorn's loop=auto)")
+    ap.add_argument("--bare-via", choices=("exec", "keeper"), default="exec",
+                    help="the bare arm's CLI on a plain attached exec (the issue's bare path) or under a keeper as "
+                         "the daemon runs it (the difference is the keeper hop's share of a turn)")
     ap.add_argument("--client", choices=("process", "inline"), default="process",
                     help="the API client in a process of its own (as a host's clients are) or on the daemon's loop")
     args = ap.parse_args()
+    Bare.via = args.bare_via
     anyio.run(main, args, backend_options={"use_uvloop": True} if args.uvloop else {})

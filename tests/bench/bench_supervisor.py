@@ -1,7 +1,7 @@
 """Supervisor overhead for all five CLIs, measured side by side in one run (issue 16).
 
     uv run python tests/bench/bench_supervisor.py [N] [--runtimes claude,codex,pi,opencode,kilo]
-                                                  [--chats 16] [--rounds 3] [--bare-via exec|keeper]
+                                                  [--chats 16] [--rounds 3] [--keeper-arm]
 
 One in-process daemon (uvicorn in this process), its API client in a process of its own
 (tests/bench/api_client.py, as a host's clients are; ``--client inline`` puts it on the
@@ -59,6 +59,11 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
+# Both throughput arms start timing this long after their 16 CLIs started: a CLI's first seconds
+# (its own start-up work, the budget's first reading) must not land on one arm only.
+SETTLE_S = 5.0
+
+
 def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -93,10 +98,9 @@ class Stamps:
 class Bare:
     """The same driver on its own exec in the chat's container, no supervisor in between."""
 
-    via = "exec"  # --bare-via keeper: the CLI under a keeper, as the daemon runs it (the hop's share)
-
-    def __init__(self, sup: Any, user: str, chat: str, runtime: str, member: str = "bare") -> None:
+    def __init__(self, sup: Any, user: str, chat: str, runtime: str, member: str = "bare", via: str = "exec") -> None:
         self.sup, self.user, self.chat, self.runtime, self.member = sup, user, chat, runtime, member
+        self.via = via  # "keeper": the CLI under a keeper, as the daemon runs it (--keeper-arm)
         self.driver = sup.runner.driver(runtime)
         self.dirs = sup.manager.member_dirs(member)
         self.session: Any = None
@@ -156,7 +160,7 @@ async def timed_job(d: Any, job: dict[str, Any]) -> tuple[float, dict[str, Any] 
 
 
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
-                        traces: dict[str, Any]) -> dict[str, Any]:
+                        traces: dict[str, Any], keeper_arm: bool = False) -> dict[str, Any]:
     sup = d.daemon.supervisor
     user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
 
@@ -174,8 +178,13 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     await bare.start(sb)
     await bare.turn("bare warm up")
     await bare.turn("bare warm up live")
+    kbare = Bare(sup, user, chat, runtime, member="bare-keeper", via="keeper") if keeper_arm else None
+    if kbare is not None:
+        await kbare.start(sb)
+        await kbare.turn("keeper warm up")
+        await kbare.turn("keeper warm up live")
     # ---- LIVE, alternating daemon / bare so machine noise hits both alike
-    live_d, live_b, first_ev, phase_rows = [], [], [], []
+    live_d, live_b, live_k, first_ev, phase_rows = [], [], [], [], []
     for i in range(n):
         ms, r, first, t0 = await timed_job(d, job(f"live {i}"))
         assert r and r["context_status"] == "LIVE" and r["outcome"] == "succeeded", r
@@ -191,7 +200,16 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         t = time.perf_counter_ns()
         await bare.turn(f"bare live {i}")
         live_b.append((time.perf_counter_ns() - t) / 1e6)
+        if kbare is not None:
+            t = time.perf_counter_ns()
+            await kbare.turn(f"keeper live {i}")
+            live_k.append((time.perf_counter_ns() - t) / 1e6)
     out["load"]["live"] = load()
+    if kbare is not None:
+        await kbare.close()
+        k, b, dd = statistics.median(live_k), statistics.median(live_b), statistics.median(live_d)
+        print(f"{runtime}: LIVE p50 daemon {dd:.1f} ms, bare under a keeper {k:.1f} ms, bare exec {b:.1f} ms: "
+              f"the keeper hop {k - b:+.1f} ms, the rest of the supervisor {dd - k:+.1f} ms", flush=True)
     out["live_d"], out["live_b"], out["first"], out["phases"] = live_d, live_b, first_ev, phase_rows
     # ---- RESTORED after a stop
     rest_d, rest_b = [], []
@@ -251,6 +269,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         for k in range(rounds):
             await b.turn(f"conc {k}")
 
+    await anyio.sleep(SETTLE_S)
     t = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for c in conc:
@@ -261,6 +280,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     async with anyio.create_task_group() as tg:
         for c in conc:
             tg.start_soon(warm_bare, c)
+    await anyio.sleep(SETTLE_S)
     t = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for b in bares:
@@ -310,8 +330,12 @@ async def main(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, Any]] = {}
     client = docker.from_env()
     with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
-        settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
-        async with running_daemon(settings, hooks=hooks, proxy_process=True) as d, anyio.create_task_group() as client_tg:
+        if args.proxy_in_daemon:
+            settings = daemon_settings(Path(tmp) / "home", fx.base_url, image, proxy_process="daemon")
+        else:
+            settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
+        async with (running_daemon(settings, hooks=hooks, proxy_process=not args.proxy_in_daemon) as d,
+                    anyio.create_task_group() as client_tg):
             sup = d.daemon.supervisor
             if args.client == "process":
                 d.remote = await RemoteClient.start(d.url, TOKEN, client_tg)
@@ -321,7 +345,7 @@ async def main(args: argparse.Namespace) -> None:
                 create_load = load()
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
-                                                           traces)
+                                                           traces, keeper_arm=args.keeper_arm)
                     # printed as each CLI finishes: a run cut short still leaves its figures
                     print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
                     print_phases({runtime: results[runtime]})
@@ -393,11 +417,14 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--uvloop", action="store_true", help="run the daemon on uvloop (as `cloud-agent serve` does "
                     "when uvloop is installed: uvicorn's loop=auto)")
-    ap.add_argument("--bare-via", choices=("exec", "keeper"), default="exec",
-                    help="the bare arm's CLI on a plain attached exec (the issue's bare path) or under a keeper as "
-                         "the daemon runs it (the difference is the keeper hop's share of a turn)")
+    ap.add_argument("--keeper-arm", action="store_true",
+                    help="a third LIVE arm: the bare session under a keeper, as the daemon runs its CLIs (its "
+                         "difference from the bare exec is the keeper hop's share of a turn)")
+    ap.add_argument("--proxy-in-daemon", action="store_true",
+                    help="CLOUD_AGENT_PROXY_PROCESS=daemon: the model proxy on the daemon's loop and store connection "
+                         "instead of the service process production runs (which writes the wire ledger into the "
+                         "same SQLite file from another process)")
     ap.add_argument("--client", choices=("process", "inline"), default="process",
                     help="the API client in a process of its own (as a host's clients are) or on the daemon's loop")
     args = ap.parse_args()
-    Bare.via = args.bare_via
     anyio.run(main, args, backend_options={"use_uvloop": True} if args.uvloop else {})

@@ -57,12 +57,11 @@ class LaunchSlots:
     @asynccontextmanager
     async def hold(self, runtime: str) -> AsyncIterator[None]:
         """A slot for one launch: taken at once when free, else after the earlier launches."""
-        if self._limiter.available_tokens >= 1 and not self._limiter.statistics().tasks_waiting:
-            async with self._limiter:
-                yield
-            return
-        self.waits.labels(runtime).inc()
+        waits = self._limiter.available_tokens < 1 or self._limiter.statistics().tasks_waiting > 0
+        if waits:
+            self.waits.labels(runtime).inc()
         t = time.monotonic()
         async with self._limiter:
-            log.info("launch.slot_taken", runtime=runtime, waited_ms=round((time.monotonic() - t) * 1000, 1))
+            if waits:
+                log.info("launch.slot_taken", runtime=runtime, waited_ms=round((time.monotonic() - t) * 1000, 1))
             yield

@@ -59,6 +59,7 @@ from sandbox_manager.chat_containers import ImageRefused
 from sandbox_manager.disk_bound import SandboxRefused
 from sandbox_manager.identity import SandboxLost
 from sandbox_manager.keeper_errors import KeeperError
+from sandbox_manager.member_processes import MemberDirs
 from sandbox_manager.sandbox import Sandbox
 from sandbox_manager.sandboxes import SandboxManager
 from sandbox_manager.sealing import ModelGateNotReady
@@ -317,14 +318,13 @@ class TurnRunner:
             launch = driver.plan(member_paths(dirs), gateway, resume)
         async with self.launch_slots.hold(job.runtime) if self.launch_slots else nullcontext():
             mark("launch_slot")
-            return await self._start(ctx, key, driver, launch)
+            return await self._start(ctx, key, driver, launch, dirs)
 
-    async def _start(self, ctx: TurnContext, key: tuple[str, str, str], driver: Driver,
-                     launch: Launch) -> NativeSession:
+    async def _start(self, ctx: TurnContext, key: tuple[str, str, str], driver: Driver, launch: Launch,
+                     dirs: MemberDirs) -> NativeSession:
         """Start the CLI (under the memory budget's gate) and take its handshake."""
         job, sandbox = ctx.job, ctx.sandbox
-        assert sandbox is not None and ctx.member is not None
-        dirs = self.manager.member_dirs(ctx.member.home_member_id)
+        assert sandbox is not None
         keepers = self.keepers
         host_init_pid = sandbox.container.attrs.get("State", {}).get("Pid") or None
         async with self.launch_gate(key, job.runtime) if self.launch_gate else nullcontext():

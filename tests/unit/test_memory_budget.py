@@ -349,9 +349,8 @@ async def test_a_turn_that_fits_reads_nothing_and_one_that_does_not_retires_the_
     assert 'cloud_agent_resident_memory_retirements_total{cause="turn"} 1.0' in generate_latest(registry).decode()
 
 
-async def test_turns_waiting_for_room_go_one_after_the_other_and_never_deadlock() -> None:
-    """a and b both start turns when only one of them may grow: each counts at its reading while
-    it waits, so the first in line goes, and the second goes when the first's turn ends."""
+def two_codex_residents() -> tuple[ResidentPool, MemberLocks, CollectorRegistry, ResidentMemory]:
+    """A 500 MiB budget, codex learnt at 300 MiB, idle residents a (read at 150) then b (150)."""
     pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
     registry = CollectorRegistry()
     mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
@@ -359,6 +358,13 @@ async def test_turns_waiting_for_room_go_one_after_the_other_and_never_deadlock(
     mem.policy.learn("codex", 300 * MiB)
     resident(pool, reader, "a", 11, 150, last=1)
     resident(pool, reader, "b", 12, 150, last=2)
+    return pool, locks, registry, mem
+
+
+async def test_turns_waiting_for_room_go_one_after_the_other_and_never_deadlock() -> None:
+    """a and b both start turns when only one of them may grow: each counts at its reading while
+    it waits, so the first in line goes, and the second goes when the first's turn ends."""
+    pool, locks, registry, mem = two_codex_residents()
     order: list[str] = []
     a_done = anyio.Event()
 
@@ -401,13 +407,7 @@ async def test_turns_are_not_held_behind_a_launch_that_waits_for_their_residents
     """a and b are in turns (their locks held) when a launch needs room that only they can give.
     Their turns' own room must not wait behind that launch: the launch waits for them to go
     idle, and they would wait for it (the host stalled this way in a 16-chat Kilo run)."""
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    registry = CollectorRegistry()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
-    mem.policy.learn("codex", 300 * MiB)
-    resident(pool, reader, "a", 11, 150, last=1)
-    resident(pool, reader, "b", 12, 150, last=2)
+    pool, locks, registry, mem = two_codex_residents()
     order: list[str] = []
     holding = anyio.Event()
     asked = anyio.Event()

@@ -66,7 +66,9 @@ async def run_service(config: ServiceConfig, *, log_fds: tuple[int, ...] = ()) -
     """Serve until stopped; returns why. ``log_fds`` write to the service's log, which is
     kept under ``LOG_KEEP_BYTES``."""
     build = await anyio.to_thread.run_sync(build_id)
-    store = open_store(config.store_url.get_secret_value() if config.store_url else None, config.store_path)
+    # its writes are the wire records, made durable by the receipt commit that follows them
+    store = open_store(config.store_url.get_secret_value() if config.store_url else None, config.store_path,
+                       sync_commits=False)
     await store.open()
     registry = CollectorRegistry()  # the proxy's counters; the daemon's /metrics relays them
     try:

@@ -64,14 +64,15 @@ def redact(url: str) -> str:
 
 class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, PostgresKeepers):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout_s: float = 10.0,
-                 commit_retry_s: float = 20.0, retry_s: float = 10.0) -> None:
+                 commit_retry_s: float = 20.0, retry_s: float = 10.0, sync_commits: bool = True) -> None:
         self.url = url
         self.commit_retry_s = commit_retry_s
         self.retry_s = retry_s
         self._pool = AsyncConnectionPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             check=AsyncConnectionPool.check_connection,  # drop connections a restart broke
-            kwargs={"autocommit": True, "row_factory": dict_row, "connect_timeout": max(2, int(timeout_s))},
+            kwargs={"autocommit": True, "row_factory": dict_row, "connect_timeout": max(2, int(timeout_s)),
+                    **({} if sync_commits else {"options": "-c synchronous_commit=off"})},
         )
         self._lease: HostLease | None = None
         self._version = 0

@@ -48,7 +48,9 @@ T = TypeVar("T")
 __all__ = ["Claim", "MemberOutcome", "Store", "VerifiedTurn", "now"]
 
 class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, sync_commits: bool = True) -> None:
+        """``sync_commits=False``: a commit is not flushed to disk by itself but by the next
+        one that is (the WAL is one file, appended in order; see :func:`state.backends.open_store`)."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
@@ -58,7 +60,8 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         self._lease: HostLease | None = None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # a committed turn survives power loss too
+            # a committed turn survives power loss too
+            self._db.execute("PRAGMA synchronous=FULL" if sync_commits else "PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             migrate(self._db)
 

@@ -734,3 +734,47 @@ async def test_the_wire_expectation_reads_what_every_turn_would_say(store: Store
     assert view.expectation == await store.wire_expectation("u", "c", "m")
     assert view.records == await store.wire_records_of_job("u", "c", "j059")
     assert [r.record_json for r in view.records] == ['{"n": 0}', '{"n": 1}', '{"n": 2}']
+
+
+async def test_the_proxy_services_handle_commits_without_its_own_flush_and_the_daemons_with(
+        store: StoreContract, tmp_path) -> None:
+    """The model proxy service's store (``sync_commits=False``): its wire records are committed
+    (the daemon's handle reads them at once) without waiting for the disk; the daemon's commits
+    wait for it, and with them everything the log holds before them (state/backends.py)."""
+    from datetime import UTC, datetime
+
+    from state.backends import open_store
+    from state.wire_ledger import WireRecordRow
+
+    url = getattr(store, "url", None)
+    if url is not None:
+        # the test cluster runs with synchronous_commit off (tests/support/postgres.py): this
+        # database's sessions start with it on, as a production server's do
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"ALTER DATABASE {conn.info.dbname} SET synchronous_commit = on")
+        store = await second_handle(store, tmp_path)  # the daemon's handle, on a session begun since
+    proxy = open_store(url, tmp_path / "s.db", sync_commits=False)
+    await proxy.open()
+    try:
+        await proxy.put_wire_record(WireRecordRow("r-1", "u1", "c1", "m1", "j1", "0001", "{}", None,
+                                                  datetime.now(UTC).isoformat()))
+        assert [r.record_id for r in await store.wire_records_of_job("u1", "c1", "j1")] == ["r-1"]
+        if isinstance(store, Store):
+            assert isinstance(proxy, Store)
+            # 2 = FULL: the WAL is flushed at every commit; 1 = NORMAL: only at checkpoints
+            assert (store._db.execute("PRAGMA synchronous").fetchone()[0],
+                    proxy._db.execute("PRAGMA synchronous").fetchone()[0]) == (2, 1)
+        else:
+            assert isinstance(store, PostgresStore) and isinstance(proxy, PostgresStore)
+            settings = []
+            for s in (store, proxy):
+                async with s._pool.connection() as conn:
+                    settings.append((await (await conn.execute("SHOW synchronous_commit")).fetchone())
+                                    ["synchronous_commit"])
+            assert settings == ["on", "off"]
+    finally:
+        await proxy.aclose()
+        if url is not None:
+            await store.aclose()

@@ -159,6 +159,12 @@ async def timed_job(d: Any, job: dict[str, Any]) -> tuple[float, dict[str, Any] 
     return (time.perf_counter_ns() - t0) / 1e6, receipt, first, t0
 
 
+def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
+    """A traced job's phases: the request's way in, each mark's span, the receipt's way out."""
+    return ([("http_in", (trace.marks[0][1] - t0) / 1e6)] + trace.spans_ms()
+            + [("client_got_receipt", ms - (trace.marks[-1][1] - t0) / 1e6)])
+
+
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
                         traces: dict[str, Any], keeper_arm: bool = False) -> dict[str, Any]:
     sup = d.daemon.supervisor
@@ -196,7 +202,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
                 line = stamps.before(marks["first_event"])
                 if line is not None:
                     first_ev.append((first - line) / 1e6)
-            phase_rows.append([("http_in", (trace.marks[0][1] - t0) / 1e6)] + trace.spans_ms() + [("client_got_receipt", ms - (trace.marks[-1][1] - t0) / 1e6)])
+            phase_rows.append(phase_row(trace, t0, ms))
         t = time.perf_counter_ns()
         await bare.turn(f"bare live {i}")
         live_b.append((time.perf_counter_ns() - t) / 1e6)
@@ -247,11 +253,20 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         for c in conc:
             tg.start_soon(warm, c)
 
+    tp_rows: list[list[tuple[str, float]]] = []
+    tp_lat_d: list[float] = []
+    tp_lat_b: list[float] = []
+
     async def daemon_chat(c: str) -> None:
         for k in range(rounds):
-            _, r, _, _ = await timed_job(d, job(f"conc {k}", c=c))
+            ms, r, _, t0 = await timed_job(d, job(f"conc {k}", c=c))
             if not r or r["outcome"] != "succeeded" or r["context_status"] != "LIVE":
                 failures.append(f"{r and r.get('context_status')} {r and r.get('reason')}")
+                continue
+            tp_lat_d.append(ms)
+            trace = traces.get(r["job_id"])
+            if trace is not None:
+                tp_rows.append(phase_row(trace, t0, ms))
 
     # The bare sessions start two at a time once the daemon's residents are gone: their start is
     # not measured, and 16 Kilo or OpenCode servers starting at once beside 16 residents overload
@@ -267,7 +282,9 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
 
     async def bare_chat(b: Bare) -> None:
         for k in range(rounds):
+            t = time.perf_counter_ns()
             await b.turn(f"conc {k}")
+            tp_lat_b.append((time.perf_counter_ns() - t) / 1e6)
 
     await anyio.sleep(SETTLE_S)
     t = time.perf_counter()
@@ -290,6 +307,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         print(f"{runtime}: {len(failures)} failures: {sorted(set(failures))}", flush=True)
     out["load"]["throughput"] = load()
     out["failures"] = failures
+    out["tp_phases"], out["tp_lat_d"], out["tp_lat_b"] = tp_rows, tp_lat_d, tp_lat_b
     for b in bares:
         await b.close()
     for c in [chat, *conc]:
@@ -393,20 +411,27 @@ def row(runtime: str, r: dict[str, Any]) -> str:
 def print_phases(results: dict[str, dict[str, Any]]) -> None:
     if not any(r["phases"] for r in results.values()):
         return
-    print("\nLIVE turn per-phase breakdown (median ms since the previous mark)")
+    print("\nLIVE turn per-phase breakdown, one turn at a time | under the throughput run "
+          "(median ms since the previous mark; p90 under load)")
     phases: list[str] = []
     for r in results.values():
-        for trace_row in r["phases"]:
+        for trace_row in r["phases"] + r.get("tp_phases", []):
             for name, _ in trace_row:
                 if name not in phases:
                     phases.append(name)
-    print(f"{'phase':22}" + "".join(f"{rt:>10}" for rt in results))
+    print(f"{'phase':22}" + "".join(f"{rt + ' 1':>10}{rt + ' tp':>11}{'p90':>8}" for rt in results))
+
+    def cell(rows: list[list[tuple[str, float]]], name: str, p: float, width: int) -> str:
+        vals = [ms for trace_row in rows for k, ms in trace_row if k == name]
+        return f"{pct(vals, p):{width}.2f}" if vals else f"{'-':>{width}}"
+
     for name in phases:
-        cells = []
-        for r in results.values():
-            vals = [ms for trace_row in r["phases"] for k, ms in trace_row if k == name]
-            cells.append(f"{statistics.median(vals):10.2f}" if vals else f"{'-':>10}")
-        print(f"{name:22}" + "".join(cells))
+        print(f"{name:22}" + "".join(cell(r["phases"], name, 50, 10) + cell(r.get("tp_phases", []), name, 50, 11)
+                                     + cell(r.get("tp_phases", []), name, 90, 8) for r in results.values()))
+    for rt, r in results.items():
+        if r.get("tp_lat_d") and r.get("tp_lat_b"):
+            print(f"{rt}: a turn under the throughput run, p50 daemon {pct(r['tp_lat_d'], 50):.1f} ms, "
+                  f"bare {pct(r['tp_lat_b'], 50):.1f} ms; p90 {pct(r['tp_lat_d'], 90):.1f} / {pct(r['tp_lat_b'], 90):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,25 @@ from __future__ import annotations
 import pytest
 
 
+# The tiers that share the Docker engine, its host-wide state (the data-root identity, the
+# sandbox image) and the machine's cores with real CLIs: on xdist (scripts/test runs two
+# workers) they stay on one worker, in order, one at a time; the unit tier runs beside them.
+ENGINE_MARKERS = frozenset({"docker", "cli", "regression", "browser", "fleet"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook
+    for item in items:
+        if ENGINE_MARKERS & {m.name for m in item.iter_markers()}:
+            item.add_marker(pytest.mark.xdist_group("engine"))
+
+
+def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook
+    from tests.support.worker_reports import open_reports
+
+    open_reports(config)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -127,6 +146,9 @@ def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest hook
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest hook
+    from tests.support.worker_reports import print_reports
+
+    print_reports(terminalreporter)
     if not _SUITE_SECONDS:
         return
     terminalreporter.section("suite durations")

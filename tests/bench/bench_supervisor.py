@@ -26,6 +26,7 @@ breakdown of the daemon's LIVE turns. The load average is printed with the figur
 from __future__ import annotations
 
 import argparse
+import cProfile
 import inspect
 import os
 import statistics
@@ -62,6 +63,55 @@ def pct(xs: list[float], p: float) -> float:
 # Both throughput arms start timing this long after their 16 CLIs started: a CLI's first seconds
 # (its own start-up work, the budget's first reading) must not land on one arm only.
 SETTLE_S = 5.0
+
+
+def _label(pid: str) -> str:
+    """A process by what it runs: the script or module for Python, else the command's name."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in argv if a]
+    if not words:
+        return "kernel"
+    name = Path(words[0]).name
+    if name.startswith("python"):
+        rest = [w for w in words[1:] if not w.startswith("-")]
+        return f"python {Path(rest[0]).name if rest else ''}".strip()
+    if name == "node" and len(words) > 1:
+        return f"node {Path(words[1]).name}"
+    return name
+
+
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds used so far by every live process, summed by :func:`_label`, and ``all``
+    (the machine's busy time, /proc/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        label = _label(pid)
+        out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        # children that ended (and were waited for): their CPU, under their parent's label
+        out[f"{label} (children)"] = out.get(f"{label} (children)", 0.0) + (int(fields[13]) + int(fields[14])) / tick
+    cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    out["all"] = (sum(int(x) for x in cpu) - int(cpu[3]) - int(cpu[4])) / tick  # less idle and iowait
+    forks = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("processes "))
+    out["processes started (x1000)"] = int(forks.split()[1]) / 1000  # per turn, once scaled back
+    return out
+
+
+def cpu_per_turn(before: dict[str, float], after: dict[str, float], turns: int) -> dict[str, float]:
+    """CPU ms per turn by process label (labels that used at least 0.5 ms per turn); processes
+    that ended meanwhile are not counted, ``all`` counts everything."""
+    out = {k: (after[k] - before.get(k, 0.0)) * 1000 / turns for k in after}
+    return dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k.startswith("processes")),
+                       key=lambda kv: -kv[1]))
 
 
 def load() -> str:
@@ -288,10 +338,18 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
 
     await anyio.sleep(SETTLE_S)
     t = time.perf_counter()
+    cpu0 = cpu_by_process()
+    profile = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None  # the daemon arm's loop thread
+    if profile is not None:
+        profile.enable()
     async with anyio.create_task_group() as tg:
         for c in conc:
             tg.start_soon(daemon_chat, c)
     out["tp_d"] = chats * rounds / (time.perf_counter() - t)
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{runtime}")
+    out["cpu_d"] = cpu_per_turn(cpu0, cpu_by_process(), chats * rounds)
     for c in conc:
         await sup.pool.retire((user, c, "m1"), "bench: the bare arm's turn")
     async with anyio.create_task_group() as tg:
@@ -299,10 +357,12 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
             tg.start_soon(warm_bare, c)
     await anyio.sleep(SETTLE_S)
     t = time.perf_counter()
+    cpu0 = cpu_by_process()
     async with anyio.create_task_group() as tg:
         for b in bares:
             tg.start_soon(bare_chat, b)
     out["tp_b"] = len(bares) * rounds / (time.perf_counter() - t)
+    out["cpu_b"] = cpu_per_turn(cpu0, cpu_by_process(), len(bares) * rounds)
     if failures:  # a run with failures still prints its figures, and says what failed
         print(f"{runtime}: {len(failures)} failures: {sorted(set(failures))}", flush=True)
     out["load"]["throughput"] = load()
@@ -429,6 +489,10 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
         print(f"{name:22}" + "".join(cell(r["phases"], name, 50, 10) + cell(r.get("tp_phases", []), name, 50, 11)
                                      + cell(r.get("tp_phases", []), name, 90, 8) for r in results.values()))
     for rt, r in results.items():
+        if r.get("cpu_d") and r.get("cpu_b"):
+            print(f"{rt}: CPU ms per turn under the throughput run, by process (daemon arm | bare arm)")
+            for k in sorted(set(r["cpu_d"]) | set(r["cpu_b"]), key=lambda k: -r["cpu_d"].get(k, 0.0)):
+                print(f"  {k:36} {r['cpu_d'].get(k, 0.0):8.1f} {r['cpu_b'].get(k, 0.0):8.1f}")
         if r.get("tp_lat_d") and r.get("tp_lat_b"):
             print(f"{rt}: a turn under the throughput run, p50 daemon {pct(r['tp_lat_d'], 50):.1f} ms, "
                   f"bare {pct(r['tp_lat_b'], 50):.1f} ms; p90 {pct(r['tp_lat_d'], 90):.1f} / {pct(r['tp_lat_b'], 90):.1f} ms")

@@ -10,23 +10,24 @@ from __future__ import annotations
 import pytest
 
 
-# The tiers that share the Docker engine, its host-wide state (the data-root identity, the
-# sandbox image) and the machine's cores with real CLIs: on xdist (scripts/test runs two
-# workers) they stay on one worker, in order, one at a time; the unit tier runs beside them.
-ENGINE_MARKERS = frozenset({"docker", "cli", "regression", "browser", "fleet"})
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+# scripts/test runs two xdist workers: the engine tiers on one, in order (tests/support/workers.py)
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook
-    for item in items:
-        if ENGINE_MARKERS & {m.name for m in item.iter_markers()}:
-            item.add_marker(pytest.mark.xdist_group("engine"))
+    from tests.support.workers import in_worker, note_engine_tests
+
+    if in_worker(config):
+        note_engine_tests(items)
+
+
+def pytest_xdist_make_scheduler(config, log):  # noqa: ANN001, ANN201 - xdist hook
+    from tests.support.workers import engine_apart
+
+    return engine_apart(config, log)
 
 
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook
-    from tests.support.worker_reports import open_reports
+    from tests.support.workers import open_shared
 
-    open_reports(config)
+    open_shared(config)
 
 
 @pytest.fixture
@@ -146,7 +147,7 @@ def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest hook
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest hook
-    from tests.support.worker_reports import print_reports
+    from tests.support.workers import print_reports
 
     print_reports(terminalreporter)
     if not _SUITE_SECONDS:

@@ -40,7 +40,7 @@ from runner.turn import TestHooks
 from sandbox_manager.identity import LABEL_HOST
 from tests.daemon_harness import RunningDaemon, daemon_settings, running_daemon
 from tests.regression.supervisor_text import WireRecorder
-from tests.support.worker_reports import in_worker, leave_report
+from tests.support.workers import in_worker, leave_report
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ async def daemon(fx: LoopbackFixture, sandbox_image: str, docker_client: Any,
 def print_report(request: pytest.FixtureRequest, lines: list[str]) -> None:
     """Write a module's report to the terminal at its end, past output capture (nothing when
     the module produced no lines). On an xdist worker it is left for the controller to print
-    (tests/support/worker_reports.py)."""
+    (tests/support/workers.py)."""
     if in_worker(request.config):
         if lines:
             leave_report(request.node.nodeid, lines)

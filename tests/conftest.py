@@ -163,8 +163,16 @@ EXIT_WATCHDOG_S = 300
 def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest hook
     """A thread left waiting at interpreter exit (threading._shutdown joins every non-daemon
     thread) hangs the run after its summary, and CI only sees a timeout. If the process has not
-    exited EXIT_WATCHDOG_S after the session, print every thread's stack and exit non-zero."""
+    exited EXIT_WATCHDOG_S after the session, print every thread's stack and exit non-zero.
+
+    Not on an xdist worker: its session ends when it has no more work, and it then waits, by
+    design, until the controller ends the whole run (the controller's own watchdog covers it)."""
     import faulthandler
     import sys
+
+    from tests.support.workers import in_worker
+
+    if in_worker(config):
+        return
 
     faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True, file=sys.stderr)

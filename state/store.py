@@ -60,7 +60,8 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         self._lease: HostLease | None = None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
-            # a committed turn survives power loss too
+            # FULL: a committed turn survives power loss too. NORMAL (the proxy's records): the
+            # WAL is flushed by the next FULL commit of any connection, or at a checkpoint
             self._db.execute("PRAGMA synchronous=FULL" if sync_commits else "PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             migrate(self._db)

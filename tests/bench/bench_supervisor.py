@@ -102,16 +102,18 @@ def cpu_by_process() -> dict[str, float]:
     cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     out["all"] = (sum(int(x) for x in cpu) - int(cpu[3]) - int(cpu[4])) / tick  # less idle and iowait
     forks = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("processes "))
-    out["processes started (x1000)"] = int(forks.split()[1]) / 1000  # per turn, once scaled back
+    out[FORKS] = float(forks.split()[1])
     return out
+
+
+FORKS = "processes started"  # a count, not CPU seconds: reported per turn as it is
 
 
 def cpu_per_turn(before: dict[str, float], after: dict[str, float], turns: int) -> dict[str, float]:
     """CPU ms per turn by process label (labels that used at least 0.5 ms per turn); processes
     that ended meanwhile are not counted, ``all`` counts everything."""
-    out = {k: (after[k] - before.get(k, 0.0)) * 1000 / turns for k in after}
-    return dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k.startswith("processes")),
-                       key=lambda kv: -kv[1]))
+    out = {k: (after[k] - before.get(k, 0.0)) * (1 if k == FORKS else 1000) / turns for k in after}
+    return dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k == FORKS), key=lambda kv: -kv[1]))
 
 
 def load() -> str:

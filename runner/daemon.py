@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import SecretStr, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from runner.api_errors import error, path_ids, validation_error
@@ -23,13 +23,13 @@ from runner.bounds import BadBody, BodyTooLarge, parse_json, read_body
 from runner.forks import ForkError
 from runner.forwarding import FleetGate
 from runner.inspector_api import InspectorRoutes
+from runner.job_response import NDJSON, JobResponse
 from runner.job_stream import ndjson_line
 from runner.openapi import openapi_document
 from runner.supervisor import Supervisor
 from state.contract import Fenced, StoreUnavailable
 from state.jobs import ID_PATTERN, ForkRequest, Job
 
-NDJSON = "application/x-ndjson"
 _ID = re.compile(ID_PATTERN)
 # A job is one flat object; nothing legitimate nests deeper than this.
 MAX_JSON_DEPTH = 16
@@ -155,7 +155,7 @@ class Api:
         events = sub.events
         assert events is not None
 
-        return StreamingResponse(events.chunks(), media_type=NDJSON)
+        return JobResponse(events)
 
     async def get_job(self, request: Request) -> Response:
         user_id = request.query_params.get("user_id", "")

@@ -49,6 +49,11 @@ class JobStream:
     def buffered_bytes(self) -> int:
         return self._bytes
 
+    @property
+    def drained(self) -> bool:
+        """The stream has ended and its reader has taken every line (or left)."""
+        return self._finished and not self._lines
+
     def emit(self, event: dict[str, Any]) -> None:
         """Never blocks. After the first drop nothing more is kept: the reader sees a cut,
         not a stream with silent holes in it."""

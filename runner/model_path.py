@@ -250,8 +250,13 @@ class ModelPath:
                      settled_index: int) -> tuple[WireInfo, WireTurnRow]:
         """The turn's wire verdict and the ledger row that is committed with its receipt."""
         if self._ops is not None:
-            await self._tell("flush", lambda p: p.flush(self.chat_key(receipt.user_id, receipt.chat_id),
-                                                        FLUSH_TIMEOUT_S))
+            # the verdict is taken from what the flush leaves recorded: the member's later
+            # requests no longer belong to the job (its ``end``, told with the flush)
+            key, mk = self.chat_key(receipt.user_id, receipt.chat_id), member_key(receipt.member_id)
+            end_of = (mk, receipt.job_id) if self.jobs.get((key, mk)) == receipt.job_id else None
+            if end_of is not None:
+                del self.jobs[(key, mk)]
+            await self._tell("flush", lambda p: p.flush(key, FLUSH_TIMEOUT_S, end_of))
         records, baseline, failed = await self._settle_inputs(receipt, member)
         compaction = compaction or saw_summary(records)
         verdict = wire_verdict(records, baseline=baseline, message=message, failed_before=failed,

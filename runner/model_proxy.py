@@ -30,7 +30,7 @@ class ProxyOps(Protocol):
 
     async def open(self, chat_key: str, user_id: str, chat_id: str, directory: Path) -> Path: ...
     async def close(self, chat_key: str) -> None: ...
-    async def flush(self, chat_key: str, timeout_s: float) -> None: ...
+    async def flush(self, chat_key: str, timeout_s: float, end_of: tuple[str, str] | None = None) -> None: ...
     async def member(self, chat_key: str, member_key: str, member_id: str) -> None: ...
     async def begin(self, chat_key: str, member_key: str, member_id: str, job_id: str) -> None: ...
     async def end(self, chat_key: str, member_key: str, job_id: str) -> None: ...
@@ -65,8 +65,15 @@ class ModelProxy:
         await self.host.close_sandbox(chat_key)  # its last records still find the chat
         self.attribution.close_chat(chat_key)
 
-    async def flush(self, chat_key: str, timeout_s: float) -> None:
-        await self.host.flush(chat_key, timeout_s)
+    async def flush(self, chat_key: str, timeout_s: float, end_of: tuple[str, str] | None = None) -> None:
+        """Every request of the chat that reached the proxy has its record; then, with
+        ``end_of=(member_key, job_id)``, that member's requests no longer belong to the job
+        (:meth:`end` in the same call: one round trip per turn fewer, issue 16)."""
+        try:
+            await self.host.flush(chat_key, timeout_s)
+        finally:
+            if end_of is not None:
+                self.attribution.end(chat_key, *end_of)
 
     # -- members and turns --------------------------------------------------------------------
 

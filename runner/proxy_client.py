@@ -239,8 +239,8 @@ class ProxyServiceClient:
     async def close(self, chat_key: str) -> None:
         await self._call(lambda o: o.close(chat_key), LINK_WAIT_S)
 
-    async def flush(self, chat_key: str, timeout_s: float) -> None:
-        await self._call(lambda o: o.flush(chat_key, timeout_s), LINK_WAIT_S)
+    async def flush(self, chat_key: str, timeout_s: float, end_of: tuple[str, str] | None = None) -> None:
+        await self._call(lambda o: o.flush(chat_key, timeout_s, end_of), LINK_WAIT_S)
 
     async def member(self, chat_key: str, member_key: str, member_id: str) -> None:
         await self._call(lambda o: o.member(chat_key, member_key, member_id), LINK_WAIT_S)

@@ -196,7 +196,7 @@ class ControlServer:
             case Close():
                 await proxy.close(request.chat_key)
             case Flush():
-                await proxy.flush(request.chat_key, request.timeout_s)
+                await proxy.flush(request.chat_key, request.timeout_s, request.end_of)
             case Member():
                 await proxy.member(request.chat_key, request.member_key, request.member_id)
             case Begin():

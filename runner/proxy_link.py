@@ -144,8 +144,9 @@ class LinkOps:
     async def close(self, chat_key: str) -> None:
         await self.link.call(Close(chat_key=chat_key))
 
-    async def flush(self, chat_key: str, timeout_s: float) -> None:
-        await self.link.call(Flush(chat_key=chat_key, timeout_s=timeout_s), timeout_s=timeout_s + CALL_TIMEOUT_S)
+    async def flush(self, chat_key: str, timeout_s: float, end_of: tuple[str, str] | None = None) -> None:
+        await self.link.call(Flush(chat_key=chat_key, timeout_s=timeout_s, end_of=end_of),
+                             timeout_s=timeout_s + CALL_TIMEOUT_S)
 
     async def member(self, chat_key: str, member_key: str, member_id: str) -> None:
         await self.link.call(Member(chat_key=chat_key, member_key=member_key, member_id=member_id))

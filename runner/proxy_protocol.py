@@ -122,6 +122,7 @@ class Flush(BaseModel):
     op: Literal["flush"] = "flush"
     chat_key: str
     timeout_s: float = Field(gt=0)
+    end_of: tuple[str, str] | None = None  # (member_key, job_id): an End after the flush
 
 
 class Member(BaseModel):

@@ -143,12 +143,10 @@ class TurnRunner:
             keeper=keeper,
         )
         with anyio.CancelScope(shield=True):
-            # the verdict is taken: the member's requests stop belonging to the job while the
-            # store commits (a turn being committed is never one left to the next daemon; the
+            # the member's requests stopped belonging to the job with the verdict (the settle's
+            # flush ends it: a turn being committed is never one left to the next daemon; the
             # end its ``finally`` asks for again is then a no-op)
-            await alongside(lambda: self._end_of_turn(ctx.job),
-                            lambda: self.store.finish_job(receipt.user_id, receipt.job_id,
-                                                          receipt.model_dump_json(), member))
+            await self.store.finish_job(receipt.user_id, receipt.job_id, receipt.model_dump_json(), member)
         mark("committed")
         log.info("turn.committed", job_id=receipt.job_id, runtime=receipt.runtime,
                  status=receipt.context_status, outcome=receipt.outcome, reason=receipt.reason,

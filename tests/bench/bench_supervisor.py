@@ -99,6 +99,14 @@ def cpu_by_process() -> dict[str, float]:
         out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         # children that ended (and were waited for): their CPU, under their parent's label
         out[f"{label} (children)"] = out.get(f"{label} (children)", 0.0) + (int(fields[13]) + int(fields[14])) / tick
+    for tid in os.listdir("/proc/self/task"):  # this process's threads: the loop's and the workers'
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        key = "  its loop thread" if tid == str(os.getpid()) else f"  its other threads ({name})"
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     out["all"] = (sum(int(x) for x in cpu) - int(cpu[3]) - int(cpu[4])) / tick  # less idle and iowait
     forks = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("processes "))
@@ -341,7 +349,9 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     await anyio.sleep(SETTLE_S)
     t = time.perf_counter()
     cpu0 = cpu_by_process()
-    profile = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None  # the daemon arm's loop thread
+    # the daemon arm's loop thread, in its CPU time (wall time would charge a send with the
+    # time the thread waited for a core after waking its reader)
+    profile = cProfile.Profile(time.thread_time) if os.environ.get("BENCH_PROFILE") else None
     if profile is not None:
         profile.enable()
     async with anyio.create_task_group() as tg:

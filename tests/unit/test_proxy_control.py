@@ -151,6 +151,10 @@ async def test_a_reply_streams_on_after_its_daemon_went_away_and_names_the_turn(
             async with uds_client(path) as client:
                 assert (await client.post("/m/mk1/v1/messages", json=ANTHROPIC)).status_code == 200
                 assert (await client.post("/m/mk2/v1/messages", json=ANTHROPIC)).status_code == 200
+            # a flush that ends job-1 (the settle's): mk1's next request belongs to no turn
+            await ops.flush(CHAT, 5.0, ("mk1", "job-1"))
+            async with uds_client(path) as client:
+                assert (await client.post("/m/mk1/v1/messages", json=ANTHROPIC)).status_code == 200
             await ops.flush(CHAT, 5.0)
             with pytest.raises(ProxyServiceError, match="already has a model socket"):
                 await ops.open(CHAT, "u1", "c1", sockets / "elsewhere")
@@ -162,8 +166,9 @@ async def test_a_reply_streams_on_after_its_daemon_went_away_and_names_the_turn(
         ledger = [(r["user_id"], r["chat_id"], r["member_id"], r["job_id"]) for r in rows(store, "wire_records")]
     finally:
         store.close()
-    assert ledger == [("u1", "c1", "m1", "job-1"), ("u1", "c1", "m1", "job-1"), ("u1", "c1", "m2", None)]
-    assert len(fx.requests(kind="conversation")) == 3
+    assert ledger == [("u1", "c1", "m1", "job-1"), ("u1", "c1", "m1", "job-1"), ("u1", "c1", "m2", None),
+                      ("u1", "c1", "m1", None)]
+    assert len(fx.requests(kind="conversation")) == 4
 
 
 async def test_it_lingers_out_only_with_no_daemon_and_nothing_in_flight(fx: LoopbackFixture, tmp_path: Path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from enum import StrEnum
 
@@ -53,10 +54,12 @@ def digest(*parts: str) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)  # asked several times a turn (the proxy's chat key, the resolve)
 def container_name(user_id: str, chat_id: str) -> str:
     # Derived from a hash of the ids: no raw user input ever reaches a container name.
     return f"ca-{digest('sandbox', user_id, chat_id)[:24]}"
 
 
+@functools.lru_cache(maxsize=4096)
 def member_key(member_id: str) -> str:
     return digest("member", member_id)[:16]

@@ -35,9 +35,13 @@ from sandbox_manager.engine import DATA_ROOT_VOLUME, ContainerInfo, Engine, Imag
 log = structlog.get_logger("integrity")
 
 EVENT_FILTERS = {"type": ["container", "image", "volume", "daemon"]}
-# container actions that change nothing a check looks at (our own turns make them all the time)
+# container actions that change nothing a check looks at (our own turns make them all the time),
+# and a container's own beginning: its ``create`` and first ``start`` reach the stream after the
+# creating call returned, and would spoil the facts its creation stores (issue 16). Facts are
+# only kept for a running container, and one that runs again after a stop lost them to its
+# ``die``; a check that raced that ``die`` is not kept.
 HARMLESS = frozenset({"exec_create", "exec_start", "exec_die", "exec_detach", "attach", "detach", "resize", "top",
-                      "archive-path", "extract-to-dir", "export", "copy", "commit"})
+                      "archive-path", "extract-to-dir", "export", "copy", "commit", "create", "start"})
 
 # volume actions that change what a state volume's check established (mount/unmount are
 # the container's own start and stop, seen as container events)

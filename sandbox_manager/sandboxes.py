@@ -209,6 +209,8 @@ class SandboxManager(ChatContainers, MemberProcesses):
         info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol))
         t = time.time()
         await self.engine.start(info.id)
+        # Taken before the inspect: an event of the container after it drops what is put below.
+        token = self.integrity.token(info.id)
         info = await self.engine.inspect(info.id)
         self.saw_marker(info)
         ts = now()
@@ -224,6 +226,10 @@ class SandboxManager(ChatContainers, MemberProcesses):
             log.info("sandbox.created", container=name, volume=vol, image=image.id[:19], network="none")
 
         await self._while_gate_comes_up(info, t, mark_and_record)
+        # What a check of the next turn would establish holds by construction (this container,
+        # of the checked image, in this data root, on its new volume, its marker written): the
+        # chat's second turn is served from these facts, not from four engine calls (issue 16).
+        self.integrity.put(token, Facts(info, image, root, vol))
         return Sandbox(record=rec, container=info, image=image, created=True)
 
     async def _start_checked(self, rec: SandboxRecord, container_id: str) -> ContainerInfo:

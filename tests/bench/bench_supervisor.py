@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -251,8 +252,17 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         await kbare.turn("keeper warm up live")
     # ---- LIVE, alternating daemon / bare so machine noise hits both alike
     live_d, live_b, live_k, first_ev, phase_rows = [], [], [], [], []
+    cpu_live: dict[str, dict[str, float]] = {"d": {}, "b": {}}  # CPU per arm, one turn at a time
+
+    def count_cpu(arm: str, before: dict[str, float]) -> None:
+        for k, v in cpu_by_process().items():
+            if k != FORKS:
+                cpu_live[arm][k] = cpu_live[arm].get(k, 0.0) + (v - before.get(k, 0.0)) * 1000 / n
+
     for i in range(n):
+        cpu0 = cpu_by_process()
         ms, r, first, t0 = await timed_job(d, job(f"live {i}"))
+        count_cpu("d", cpu0)
         assert r and r["context_status"] == "LIVE" and r["outcome"] == "succeeded", r
         live_d.append(ms)
         trace = traces.get(r["job_id"])
@@ -263,9 +273,11 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
                 if line is not None:
                     first_ev.append((first - line) / 1e6)
             phase_rows.append(phase_row(trace, t0, ms))
+        cpu0 = cpu_by_process()
         t = time.perf_counter_ns()
         await bare.turn(f"bare live {i}")
         live_b.append((time.perf_counter_ns() - t) / 1e6)
+        count_cpu("b", cpu0)
         if kbare is not None:
             t = time.perf_counter_ns()
             await kbare.turn(f"keeper live {i}")
@@ -277,6 +289,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         print(f"{runtime}: LIVE p50 daemon {dd:.1f} ms, bare under a keeper {k:.1f} ms, bare exec {b:.1f} ms: "
               f"the keeper hop {k - b:+.1f} ms, the rest of the supervisor {dd - k:+.1f} ms", flush=True)
     out["live_d"], out["live_b"], out["first"], out["phases"] = live_d, live_b, first_ev, phase_rows
+    out["cpu_live_d"], out["cpu_live_b"] = cpu_live["d"], cpu_live["b"]
     # ---- RESTORED after a stop
     rest_d, rest_b = [], []
     cid = sb.container_id
@@ -347,6 +360,14 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
             tp_lat_b.append((time.perf_counter_ns() - t) / 1e6)
 
     await anyio.sleep(SETTLE_S)
+    engine_calls: list[str] = []  # the daemon arm's engine calls, by the SDK function's name
+    engine, real_call = sup.manager.engine, sup.manager.engine._call
+
+    async def counted_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        engine_calls.append(getattr(fn, "__qualname__", repr(fn)).split(".<locals>")[0])
+        return await real_call(fn, *args, **kwargs)
+
+    engine._call = counted_call
     t = time.perf_counter()
     cpu0 = cpu_by_process()
     # the daemon arm's loop thread, in its CPU time (wall time would charge a send with the
@@ -362,6 +383,8 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         profile.disable()
         profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{runtime}")
     out["cpu_d"] = cpu_per_turn(cpu0, cpu_by_process(), chats * rounds)
+    engine._call = real_call
+    out["engine_calls"] = {k: v / (chats * rounds) for k, v in sorted(Counter(engine_calls).items())}
     for c in conc:
         await sup.pool.retire((user, c, "m1"), "bench: the bare arm's turn")
     async with anyio.create_task_group() as tg:
@@ -501,10 +524,19 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
         print(f"{name:22}" + "".join(cell(r["phases"], name, 50, 10) + cell(r.get("tp_phases", []), name, 50, 11)
                                      + cell(r.get("tp_phases", []), name, 90, 8) for r in results.values()))
     for rt, r in results.items():
+        if r.get("cpu_live_d") and r.get("cpu_live_b"):
+            print(f"{rt}: CPU ms per LIVE turn, one at a time, by process (daemon arm | bare arm)")
+            d, b = r["cpu_live_d"], r["cpu_live_b"]
+            for k in sorted((k for k in set(d) | set(b) if max(d.get(k, 0.0), b.get(k, 0.0)) >= 0.5),
+                            key=lambda k: -d.get(k, 0.0)):
+                print(f"  {k:36} {d.get(k, 0.0):8.1f} {b.get(k, 0.0):8.1f}")
         if r.get("cpu_d") and r.get("cpu_b"):
             print(f"{rt}: CPU ms per turn under the throughput run, by process (daemon arm | bare arm)")
             for k in sorted(set(r["cpu_d"]) | set(r["cpu_b"]), key=lambda k: -r["cpu_d"].get(k, 0.0)):
                 print(f"  {k:36} {r['cpu_d'].get(k, 0.0):8.1f} {r['cpu_b'].get(k, 0.0):8.1f}")
+        if r.get("engine_calls") is not None:
+            calls = ", ".join(f"{k} {v:.2f}" for k, v in r["engine_calls"].items()) or "none"
+            print(f"{rt}: the daemon's engine calls per turn under the throughput run: {calls}")
         if r.get("tp_lat_d") and r.get("tp_lat_b"):
             print(f"{rt}: a turn under the throughput run, p50 daemon {pct(r['tp_lat_d'], 50):.1f} ms, "
                   f"bare {pct(r['tp_lat_b'], 50):.1f} ms; p90 {pct(r['tp_lat_d'], 90):.1f} / {pct(r['tp_lat_b'], 90):.1f} ms")

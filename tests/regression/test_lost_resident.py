@@ -4,15 +4,18 @@ state volume) is caught by that member's very next turn, which is refused exactl
 ``test_lost.test_volume_removed`` refuses it (SPEC 3 and 15: the volume, and with it the
 native state, is gone) — the message reaches no CLI and no model, the locator is untouched.
 
-The turn before the removal must have been answered from the event-fed facts (its trace
-says ``integrity_cached`` and holds no engine inspect): otherwise this test would only
-repeat the uncached case.
+The turn after the sandbox's creation is answered from the facts the creation stored; an
+event of the container drops them and the next turn checks against the engine again. The
+turn before the removal must have been answered from the event-fed facts (its trace says
+``integrity_cached`` and holds no engine inspect): otherwise this test would only repeat the
+uncached case.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import pytest
 
 from runner import turn
@@ -52,9 +55,21 @@ async def live_turn(d, fx, chat, message: str) -> dict[str, Any]:
 @pytest.mark.parametrize("runtime", RUNTIMES)
 async def test_sandbox_removed_while_resident(runtime, daemon, fx, docker_client) -> None:
     chat, first = await settled_chat(daemon, fx, runtime)
-    saved, volume = first["locator_after"], first["sandbox"]["volume"]
+    saved, volume, cid = first["locator_after"], first["sandbox"]["volume"], first["sandbox"]["container_id"]
+    # the sandbox's creation stored what a check would establish: the next turn asks no engine
+    created = await live_turn(daemon, fx, chat, "a live turn answered from its sandbox's creation")
+    assert "integrity_cached" in phases(created)
+    assert not {"data_root", "volume_inspect", "container_inspect", "image_inspect"} & set(phases(created))
+    # an event of the container (paused, then running again) drops them: the next turn checks
+    integrity = daemon.daemon.supervisor.manager.integrity
+    seen = integrity.events_seen
+    docker_client.api.pause(cid)
+    docker_client.api.unpause(cid)
+    with anyio.fail_after(10):
+        while integrity.events_seen < seen + 2:  # both reached the daemon
+            await anyio.sleep(0.02)
     checked = await live_turn(daemon, fx, chat, "a live turn checked against the engine")
-    assert "container_inspect" in phases(checked)  # the first check of a resident stores its facts
+    assert "container_inspect" in phases(checked)  # that check stores its facts again
     cached = await live_turn(daemon, fx, chat, "a live turn answered from the engine's events")
     assert "integrity_cached" in phases(cached)
     assert not {"data_root", "container_inspect", "image_inspect"} & set(phases(cached))
@@ -63,4 +78,4 @@ async def test_sandbox_removed_while_resident(runtime, daemon, fx, docker_client
     assert await refused(daemon, fx, chat) == lost("volume_missing", saved)
     assert await refused(daemon, fx, chat) == lost("previously_lost", saved)
     m = await member(daemon, chat)
-    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 3, "volume_missing")
+    assert (m.locator.id, m.settled_turns, m.lost_reason) == (saved, 4, "volume_missing")

@@ -98,6 +98,27 @@ async def test_own_exec_traffic_keeps_facts_and_every_other_container_event_drop
     assert cache.get("c2", "root-1") is not None  # another container's facts stay
 
 
+async def test_a_containers_own_create_and_start_keep_the_facts_its_creation_stores(live) -> None:
+    cache, engine = live
+    token = cache.token("c1")  # taken when the creating start returned; its events come later
+    for action in ("create", "start"):
+        await engine.emit("container", action, "c1")
+    cache.put(token, facts())
+    assert cache.get("c1", "root-1") == facts()
+
+
+async def test_a_container_started_again_after_a_stop_has_no_facts_until_checked(live) -> None:
+    cache, engine = live
+    await checked(cache)
+    token = cache.token("c1")  # a check under way while the container stops
+    await engine.emit("container", "die", "c1")
+    await engine.emit("container", "start", "c1")
+    cache.put(token, facts())
+    assert cache.get("c1", "root-1") is None
+    await checked(cache)  # a check after the restart keeps its facts
+    assert cache.get("c1", "root-1") == facts()
+
+
 @pytest.mark.parametrize("event", [("image", "delete", "sha256:img"), ("image", "untag", "sha256:other"),
                                    ("volume", "destroy", DATA_ROOT_VOLUME), ("volume", "create", DATA_ROOT_VOLUME),
                                    ("daemon", "reload", "engine")])

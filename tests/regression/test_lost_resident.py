@@ -61,12 +61,13 @@ async def test_sandbox_removed_while_resident(runtime, daemon, fx, docker_client
     assert "integrity_cached" in phases(created)
     assert not {"data_root", "volume_inspect", "container_inspect", "image_inspect"} & set(phases(created))
     # an event of the container (paused, then running again) drops them: the next turn checks
-    integrity = daemon.daemon.supervisor.manager.integrity
-    seen = integrity.events_seen
+    sup = daemon.daemon.supervisor
+    root = (await sup.store.get_sandbox(first["user_id"], first["chat_id"])).data_root_id
+    assert sup.manager.integrity.get(cid, root) is not None
     docker_client.api.pause(cid)
     docker_client.api.unpause(cid)
     with anyio.fail_after(10):
-        while integrity.events_seen < seen + 2:  # both reached the daemon
+        while sup.manager.integrity.get(cid, root) is not None:  # the events reached the daemon
             await anyio.sleep(0.02)
     checked = await live_turn(daemon, fx, chat, "a live turn checked against the engine")
     assert "container_inspect" in phases(checked)  # that check stores its facts again

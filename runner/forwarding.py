@@ -19,13 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runner.fleet import Fleet, Route
+from runner.job_response import NDJSON
 from state.contract import StoreUnavailable
 from state.jobs import Job
 
 log = structlog.get_logger("forwarding")
 
 FORWARDED_BY = "x-cloud-agent-forwarded-by"
-NDJSON = "application/x-ndjson"
 # answer headers worth passing back (hop-by-hop and length headers are the server's own)
 PASS_HEADERS = ("content-type", "x-job-replayed", "retry-after", "www-authenticate")
 

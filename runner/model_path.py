@@ -224,10 +224,16 @@ class ModelPath:
         later turn of the member began) there is nothing to tell — the proxy's view is this one,
         replayed on every connection."""
         key, mk = self.chat_key(job.user_id, job.chat_id), member_key(job.member_id)
-        if self.jobs.get((key, mk)) != job.job_id:
-            return
+        if self._take_job(key, mk, job.job_id):
+            await self._tell("end", lambda p: p.end(key, mk, job.job_id))
+
+    def _take_job(self, key: str, mk: str, job_id: str) -> bool:
+        """The member's requests stop belonging to ``job_id`` here (and in every replay); False
+        when they already had (ended, or a later turn of the member began)."""
+        if self.jobs.get((key, mk)) != job_id:
+            return False
         del self.jobs[(key, mk)]
-        await self._tell("end", lambda p: p.end(key, mk, job.job_id))
+        return True
 
     async def keep_turns(self, job_ids: list[str]) -> None:
         """After a restart: the proxy forgets the running turns a dead daemon left but these
@@ -253,9 +259,7 @@ class ModelPath:
             # the verdict is taken from what the flush leaves recorded: the member's later
             # requests no longer belong to the job (its ``end``, told with the flush)
             key, mk = self.chat_key(receipt.user_id, receipt.chat_id), member_key(receipt.member_id)
-            end_of = (mk, receipt.job_id) if self.jobs.get((key, mk)) == receipt.job_id else None
-            if end_of is not None:
-                del self.jobs[(key, mk)]
+            end_of = (mk, receipt.job_id) if self._take_job(key, mk, receipt.job_id) else None
             await self._tell("flush", lambda p: p.flush(key, FLUSH_TIMEOUT_S, end_of))
         records, baseline, failed = await self._settle_inputs(receipt, member)
         compaction = compaction or saw_summary(records)

@@ -103,10 +103,9 @@ def cpu_by_process() -> dict[str, float]:
     for tid in os.listdir("/proc/self/task"):  # this process's threads: the loop's and the workers'
         try:
             fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
         except OSError:
             continue
-        key = "  its loop thread" if tid == str(os.getpid()) else f"  its other threads ({name})"
+        key = "  its loop thread" if tid == str(os.getpid()) else "  its other threads"
         out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     out["all"] = (sum(int(x) for x in cpu) - int(cpu[3]) - int(cpu[4])) / tick  # less idle and iowait

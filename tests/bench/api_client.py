@@ -1,13 +1,19 @@
 """The benches' API client in a process of its own, as a host's clients are: the daemon's
 figures then carry none of the client's HTTP work on the daemon's event loop.
 
-    python tests/bench/api_client.py URL        (the service token in CLOUD_AGENT_BENCH_TOKEN)
+    python tests/bench/api_client.py URL [--lean]   (the service token in CLOUD_AGENT_BENCH_TOKEN)
 
 Reads ``{"id": N, "job": {...}}`` lines on stdin, POSTs each job (concurrently), and writes
 ``{"id": N, "t0": ns, "first": ns | null, "end": ns, "receipt": {...}}`` lines on stdout;
 ``t0``/``first``/``end`` are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux: the same
 clock in every process of the machine) at the send, the first event line and the receipt.
 :class:`RemoteClient` is the bench side.
+
+The client is httpx by default. ``--lean`` is an HTTP/1.1 client on asyncio's streams
+(keep-alive connections, chunked NDJSON read line by line, every line parsed as httpx's is):
+on this machine an httpx exchange costs ~2 ms more than the leanest client's
+(``bench_hops.py``), all of it client CPU on the cores the daemon shares in a one-machine
+bench, not the host's.
 """
 
 from __future__ import annotations
@@ -57,6 +63,73 @@ async def serve(url: str, token: str) -> None:
             await asyncio.gather(*tasks)
 
 
+async def serve_lean(url: str, token: str) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = sys.stdout
+    host, _, port = url.removeprefix("http://").partition(":")
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(cmd: dict[str, Any]) -> None:
+        t0, first, receipt = time.perf_counter_ns(), None, None
+        while idle and (idle[-1][0].at_eof() or idle[-1][1].is_closing()):
+            idle.pop()[1].close()  # the server ended it while idle (uvicorn's keep-alive timeout)
+        conn = idle.pop() if idle else await asyncio.open_connection(host, int(port))
+        r, w = conn
+        body = json.dumps(cmd["job"]).encode()
+        w.write(b"POST /v1/jobs HTTP/1.1\r\nhost: %s\r\nauthorization: Bearer %s\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (host.encode(), token.encode(), len(body), body))
+        head = (await r.readuntil(b"\r\n\r\n")).lower()
+        pending = b""
+
+        def take(data: bytes) -> None:
+            nonlocal first, receipt, pending
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                if first is None and line.startswith(b'{"type": "event"'):
+                    first = time.perf_counter_ns()
+                ev = json.loads(line)
+                if ev.get("type") == "receipt":
+                    receipt = ev["receipt"]
+
+        if b"transfer-encoding: chunked" in head:
+            while size := int((await r.readline()).split(b";", 1)[0], 16):
+                take((await r.readexactly(size + 2))[:-2])
+            await r.readline()  # the empty trailer
+        else:  # an answer with a length (an error, a repeat's receipt): its lines as they are
+            length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            take(await r.readexactly(length) + b"\n")
+        end = time.perf_counter_ns()
+        if b"connection: close" not in head:
+            idle.append(conn)
+        else:
+            w.close()
+        out.write(json.dumps({"id": cmd["id"], "t0": t0, "first": first, "end": end, "receipt": receipt}) + "\n")
+        out.flush()
+
+    async def answered(cmd: dict[str, Any]) -> None:
+        try:
+            await one(cmd)
+        except Exception as exc:  # the bench gets a line either way: a failure, never a hang
+            out.write(json.dumps({"id": cmd["id"], "t0": 0, "first": None, "end": 0, "receipt": None,
+                                  "error": repr(exc)}) + "\n")
+            out.flush()
+
+    while line := await reader.readline():
+        task = asyncio.create_task(answered(json.loads(line)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    for _, w in idle:
+        w.close()
+
+
 class RemoteClient:
     """The bench's handle on an ``api_client.py`` process."""
 
@@ -66,8 +139,9 @@ class RemoteClient:
         self._waiting: dict[int, tuple[anyio.Event, list[dict[str, Any]]]] = {}
 
     @classmethod
-    async def start(cls, url: str, token: str, tg: Any) -> RemoteClient:
-        proc = await anyio.open_process([sys.executable, str(Path(__file__).resolve()), url],
+    async def start(cls, url: str, token: str, tg: Any, *, lean: bool = False) -> RemoteClient:
+        proc = await anyio.open_process([sys.executable, str(Path(__file__).resolve()), url,
+                                         *(["--lean"] if lean else [])],
                                         env=dict(os.environ, CLOUD_AGENT_BENCH_TOKEN=token))
         client = cls(proc)
         tg.start_soon(client._read)
@@ -101,4 +175,5 @@ class RemoteClient:
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(sys.argv[1], os.environ["CLOUD_AGENT_BENCH_TOKEN"]))
+    main = serve_lean if "--lean" in sys.argv[2:] else serve
+    asyncio.run(main(sys.argv[1], os.environ["CLOUD_AGENT_BENCH_TOKEN"]))

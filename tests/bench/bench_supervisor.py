@@ -4,7 +4,8 @@
                                                   [--chats 16] [--rounds 3] [--keeper-arm]
 
 One in-process daemon (uvicorn in this process), its API client in a process of its own
-(tests/bench/api_client.py, as a host's clients are; ``--client inline`` puts it on the
+(tests/bench/api_client.py, as a host's clients are; ``--client lean`` swaps httpx for the
+leanest HTTP/1.1 client, ``--client inline`` puts it on the
 daemon's loop as before), one loopback fixture, the pinned image. Per CLI:
 
 1. LIVE: N turns through the daemon's job API (POST → receipt line) against N turns of a
@@ -449,8 +450,8 @@ async def main(args: argparse.Namespace) -> None:
         async with (running_daemon(settings, hooks=hooks, proxy_process=not args.proxy_in_daemon) as d,
                     anyio.create_task_group() as client_tg):
             sup = d.daemon.supervisor
-            if args.client == "process":
-                d.remote = await RemoteClient.start(d.url, TOKEN, client_tg)
+            if args.client in ("process", "lean"):
+                d.remote = await RemoteClient.start(d.url, TOKEN, client_tg, lean=args.client == "lean")
             try:
                 # first, on a quiet host: after the throughput run the load average is ~15 for a while
                 create_mgr, create_raw = await bench_create(sup, image, max(3, args.n // 4))
@@ -556,7 +557,8 @@ if __name__ == "__main__":
                     help="CLOUD_AGENT_PROXY_PROCESS=daemon: the model proxy on the daemon's loop and store connection "
                          "instead of the service process production runs (which writes the wire ledger into the "
                          "same SQLite file from another process)")
-    ap.add_argument("--client", choices=("process", "inline"), default="process",
-                    help="the API client in a process of its own (as a host's clients are) or on the daemon's loop")
+    ap.add_argument("--client", choices=("process", "lean", "inline"), default="process",
+                    help="the API client in a process of its own (as a host's clients are; httpx, or with `lean` "
+                         "the leanest HTTP/1.1 client, see api_client.py) or on the daemon's loop")
     args = ap.parse_args()
     anyio.run(main, args, backend_options={"use_uvloop": True} if args.uvloop else {})

@@ -2,6 +2,7 @@
 side by side in one run.
 
     uv run python tests/bench/bench_sealed.py [--rounds 5] [--live 5] [--runtimes claude,codex,pi,opencode,kilo]
+                                              [--steady N]
 
 Both arms drive the same pinned CLI with the same driver in the same sealed sandbox (network
 ``none``, one container per CLI); only the way to the model differs:
@@ -89,22 +90,31 @@ def fixture_process(port: int, *, netns_pid: int | None = None) -> Iterator[str]
             proc.kill()
 
 
-def host_fixture_count(port: int, token: str) -> int:
+def host_fixture_times(port: int, token: str) -> list[float]:
+    """The arrival time (Unix) of every request the host's fixture recorded, in order."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}/_fixture/requests",
                                  headers={"authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
-        return len(json.loads(resp.read())["requests"])
+        return [r["time"] for r in json.loads(resp.read())["requests"]]
 
 
-def in_netns_count(pid: int, token: str) -> int:
-    """The direct fixture's request count, asked from inside the sandbox's namespace."""
+def host_fixture_count(port: int, token: str) -> int:
+    return len(host_fixture_times(port, token))
+
+
+def in_netns_times(pid: int, token: str) -> list[float]:
+    """The direct fixture's request arrival times, asked from inside the sandbox's namespace."""
     code = ("import json,sys,urllib.request as u;"
             f"r=u.Request('http://127.0.0.1:{DIRECT_PORT}/_fixture/requests',"
             f"headers={{'authorization':'Bearer {token}'}});"
-            "print(len(json.loads(u.urlopen(r,timeout=10).read())['requests']))")
+            "print(json.dumps([x['time'] for x in json.loads(u.urlopen(r,timeout=10).read())['requests']]))")
     out = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "--", sys.executable, "-c", code],
                          capture_output=True, text=True, check=True)
-    return int(out.stdout.strip())
+    return json.loads(out.stdout)
+
+
+def in_netns_count(pid: int, token: str) -> int:
+    return len(in_netns_times(pid, token))
 
 
 @dataclass
@@ -193,6 +203,53 @@ async def bench_runtime(sup: Any, runtime: str, rounds: int, live: int, host: tu
     return {k: v for k, v in arms.items() if v is not None}
 
 
+async def bench_steady(sup: Any, runtime: str, n: int, host: tuple[int, str]) -> str:
+    """``--steady N``: where a warm LIVE turn's sealing cost lies. A sealed and a direct member
+    of one sandbox, 10 warm-up turns each, then N turns each, alternated turn by turn. Each
+    turn is split at its first request's arrival at its fixture (the fixture's own clock, the
+    same as this process's): ``to model`` is the message sent → the request arrived, ``back``
+    is that arrival → the turn settled (the answer's way back through the proxy, then the
+    CLI's own finishing)."""
+    user, chat = "bench", f"steady-{runtime}-{uuid.uuid4().hex[:6]}"
+    await sup.model_path.open(user, chat)
+    sandbox = await sup.manager.resolve(user, chat)
+    pid = sandbox.container.attrs["State"]["Pid"]
+    with fixture_process(DIRECT_PORT, netns_pid=pid) as direct_token:
+        gateways = {"sealed": await sup.runner.gateway(runtime, user, chat, "steady-sealed"),
+                    "direct": GatewayConfig(base_url=f"http://127.0.0.1:{DIRECT_PORT}", key=SecretStr(LOOPBACK_KEY),
+                                            model=sup.runner.models[runtime])}
+        members = {name: Member(sup, sandbox, runtime, Arm(name, gw, f"steady-{name}"))
+                   for name, gw in gateways.items()}
+        for m in members.values():
+            await m.start(None)
+            for i in range(10):
+                await m.turn(f"warm-up {i}")
+        times = {"sealed": lambda: host_fixture_times(*host), "direct": lambda: in_netns_times(pid, direct_token)}
+        seen = {name: len(fn()) for name, fn in times.items()}
+        spans: dict[str, list[tuple[float, float]]] = {"sealed": [], "direct": []}
+        for i in range(n):
+            for name in ("sealed", "direct") if i % 2 == 0 else ("direct", "sealed"):
+                t0 = time.time()
+                await members[name].turn(f"steady {i}")
+                spans[name].append((t0, time.time()))
+        split: dict[str, dict[str, float]] = {}
+        for name, fn in times.items():
+            arrivals = fn()[seen[name]:]
+            to_model, back = [], []
+            for t0, t1 in spans[name]:
+                first = next(a for a in arrivals if t0 <= a <= t1)  # every turn asks its model
+                to_model.append((first - t0) * 1000)
+                back.append((t1 - first) * 1000)
+            split[name] = {"turn": statistics.median((t1 - t0) * 1000 for t0, t1 in spans[name]),
+                           "to model": statistics.median(to_model), "back": statistics.median(back)}
+        for m in members.values():
+            await m.retire()
+    await sup.model_path.close(user, chat)
+    return f"{runtime:9}" + "".join(
+        f"{split['sealed'][k]:9.2f}{split['direct'][k]:9.2f}{split['sealed'][k] - split['direct'][k]:+8.2f}"
+        for k in ("turn", "to model", "back"))
+
+
 async def main(args: argparse.Namespace) -> None:
     from telemetry.logs import configure_logging
 
@@ -200,16 +257,27 @@ async def main(args: argparse.Namespace) -> None:
     image = ensure_image()
     host_port = 18556
     results: dict[str, dict[str, Arm]] = {}
+    steady: list[str] = []
     with fixture_process(host_port) as host_token, tempfile.TemporaryDirectory() as tmp:
         settings = daemon_settings(Path(tmp) / "home", f"http://127.0.0.1:{host_port}", image)
         try:
             async with running_daemon(settings, proxy_process=True) as d:
                 sup = d.daemon.supervisor
                 for runtime in args.runtimes.split(","):
+                    if args.steady:
+                        steady.append(await bench_steady(sup, runtime, args.steady, (host_port, host_token)))
+                        print(steady[-1], flush=True)
+                        continue
                     results[runtime] = await bench_runtime(sup, runtime, args.rounds, args.live, (host_port, host_token))
                     print(table({runtime: results[runtime]}, header=not len(results) > 1), flush=True)
         finally:
             remove_host_containers(docker.from_env(), settings.resolved_host_id())
+    if args.steady:
+        print(f"\nwarm LIVE turns, sealed vs direct, {args.steady} each alternated (ms, p50: sealed, direct, "
+              f"difference); load {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"{'runtime':9}" + "".join(f"{k:>26}" for k in ("turn", "to model", "back")))
+        print("\n".join(steady))
+        return
     print(f"\nsealed vs direct, {args.rounds} rounds per CLI (a fresh member each), LIVE = median of {args.live}; "
           f"load {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(table(results, header=True))
@@ -234,4 +302,7 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--live", type=int, default=5)
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
+    ap.add_argument("--steady", type=int, default=0, metavar="N",
+                    help="instead of the rounds: N warm LIVE turns per arm, alternated, each split at its "
+                         "first request's arrival at the fixture")
     anyio.run(main, ap.parse_args())

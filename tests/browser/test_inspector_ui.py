@@ -291,6 +291,9 @@ def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> N
         # readings taken around its load, and loaded again when they differ.
         for _ in range(5):
             view, memory = memory_view()
+            # a page left on this URL is not loaded again by a get of the same URL (only its
+            # fragment): it would show the readings of the last attempt
+            browser.get("about:blank")
             browser.get(f"{host.url}/ui/#/host")
             wait_ready(browser, "host")
             residents = browser.execute_script("""

@@ -23,6 +23,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,103 +33,104 @@ import httpx
 from anyio.abc import Process
 
 
-async def serve(url: str, token: str) -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    out = sys.stdout
-    tasks: set[asyncio.Task[None]] = set()
+class Reading:
+    """One job's answer as its lines come: when it was sent, its first event line, its receipt."""
+
+    def __init__(self) -> None:
+        self.t0, self.first, self.receipt = time.perf_counter_ns(), None, None
+
+    def line(self, line: str | bytes) -> None:
+        if not line.strip():
+            return
+        if self.first is None and line[:16] in ('{"type": "event"', b'{"type": "event"'):
+            self.first = time.perf_counter_ns()
+        ev = json.loads(line)
+        if ev.get("type") == "receipt":
+            self.receipt = ev["receipt"]
+
+
+# POSTs one job, handing each line of the answer to the reading
+Exchange = Callable[[dict[str, Any], Reading], Awaitable[None]]
+
+
+@asynccontextmanager
+async def httpx_client(url: str, token: str) -> AsyncIterator[Exchange]:
     async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {token}"},
                                  timeout=httpx.Timeout(600, connect=10),
                                  limits=httpx.Limits(max_connections=64)) as client:
-        async def one(cmd: dict[str, Any]) -> None:
-            t0, first, receipt = time.perf_counter_ns(), None, None
-            async with client.stream("POST", "/v1/jobs", json=cmd["job"]) as resp:
+        async def exchange(job: dict[str, Any], reading: Reading) -> None:
+            async with client.stream("POST", "/v1/jobs", json=job) as resp:
                 async for line in resp.aiter_lines():
-                    if not line.strip():
-                        continue
-                    if first is None and line.startswith('{"type": "event"'):
-                        first = time.perf_counter_ns()
-                    ev = json.loads(line)
-                    if ev.get("type") == "receipt":
-                        receipt = ev["receipt"]
-            end = time.perf_counter_ns()
-            out.write(json.dumps({"id": cmd["id"], "t0": t0, "first": first, "end": end, "receipt": receipt}) + "\n")
-            out.flush()
+                    reading.line(line)
 
-        while line := await reader.readline():
-            task = asyncio.create_task(one(json.loads(line)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
+        yield exchange
 
 
-async def serve_lean(url: str, token: str) -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    out = sys.stdout
+@asynccontextmanager
+async def lean_client(url: str, token: str) -> AsyncIterator[Exchange]:
     host, _, port = url.removeprefix("http://").partition(":")
     idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-    tasks: set[asyncio.Task[None]] = set()
 
-    async def one(cmd: dict[str, Any]) -> None:
-        t0, first, receipt = time.perf_counter_ns(), None, None
+    async def exchange(job: dict[str, Any], reading: Reading) -> None:
         while idle and (idle[-1][0].at_eof() or idle[-1][1].is_closing()):
             idle.pop()[1].close()  # the server ended it while idle (uvicorn's keep-alive timeout)
         conn = idle.pop() if idle else await asyncio.open_connection(host, int(port))
         r, w = conn
-        body = json.dumps(cmd["job"]).encode()
+        body = json.dumps(job).encode()
         w.write(b"POST /v1/jobs HTTP/1.1\r\nhost: %s\r\nauthorization: Bearer %s\r\n"
                 b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                 % (host.encode(), token.encode(), len(body), body))
         head = (await r.readuntil(b"\r\n\r\n")).lower()
-        pending = b""
-
-        def take(data: bytes) -> None:
-            nonlocal first, receipt, pending
-            *lines, pending = (pending + data).split(b"\n")
-            for line in lines:
-                if not line.strip():
-                    continue
-                if first is None and line.startswith(b'{"type": "event"'):
-                    first = time.perf_counter_ns()
-                ev = json.loads(line)
-                if ev.get("type") == "receipt":
-                    receipt = ev["receipt"]
-
         if b"transfer-encoding: chunked" in head:
+            pending = b""
             while size := int((await r.readline()).split(b";", 1)[0], 16):
-                take((await r.readexactly(size + 2))[:-2])
+                *lines, pending = (pending + (await r.readexactly(size + 2))[:-2]).split(b"\n")
+                for line in lines:
+                    reading.line(line)
             await r.readline()  # the empty trailer
+            reading.line(pending)
         else:  # an answer with a length (an error, a repeat's receipt): its lines as they are
             length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-            take(await r.readexactly(length) + b"\n")
-        end = time.perf_counter_ns()
+            for line in (await r.readexactly(length)).split(b"\n"):
+                reading.line(line)
         if b"connection: close" not in head:
             idle.append(conn)
         else:
             w.close()
-        out.write(json.dumps({"id": cmd["id"], "t0": t0, "first": first, "end": end, "receipt": receipt}) + "\n")
-        out.flush()
 
-    async def answered(cmd: dict[str, Any]) -> None:
-        try:
-            await one(cmd)
-        except Exception as exc:  # the bench gets a line either way: a failure, never a hang
-            out.write(json.dumps({"id": cmd["id"], "t0": 0, "first": None, "end": 0, "receipt": None,
-                                  "error": repr(exc)}) + "\n")
+    try:
+        yield exchange
+    finally:
+        for _, w in idle:
+            w.close()
+
+
+async def serve(client: Any) -> None:
+    """Jobs from stdin, each POSTed at once through ``client`` (an :data:`Exchange` context), a
+    result line each on stdout — for a failed exchange too: the bench must never wait forever."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = sys.stdout
+    tasks: set[asyncio.Task[None]] = set()
+    async with client as exchange:
+        async def answered(cmd: dict[str, Any]) -> None:
+            reading = Reading()
+            try:
+                await exchange(cmd["job"], reading)
+                result = {"t0": reading.t0, "first": reading.first, "end": time.perf_counter_ns(),
+                          "receipt": reading.receipt}
+            except Exception as exc:
+                result = {"t0": 0, "first": None, "end": 0, "receipt": None, "error": repr(exc)}
+            out.write(json.dumps({"id": cmd["id"], **result}) + "\n")
             out.flush()
 
-    while line := await reader.readline():
-        task = asyncio.create_task(answered(json.loads(line)))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
-    for _, w in idle:
-        w.close()
+        while line := await reader.readline():
+            task = asyncio.create_task(answered(json.loads(line)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
 
 
 class RemoteClient:
@@ -175,5 +178,5 @@ class RemoteClient:
 
 
 if __name__ == "__main__":
-    main = serve_lean if "--lean" in sys.argv[2:] else serve
-    asyncio.run(main(sys.argv[1], os.environ["CLOUD_AGENT_BENCH_TOKEN"]))
+    make = lean_client if "--lean" in sys.argv[2:] else httpx_client
+    asyncio.run(serve(make(sys.argv[1], os.environ["CLOUD_AGENT_BENCH_TOKEN"])))

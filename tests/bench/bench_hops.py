@@ -32,6 +32,7 @@ floor no implementation on this machine gets below, printed next to the issue's 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import socket
 import sqlite3
@@ -105,7 +106,7 @@ async def main(n: int) -> None:
     echo = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=[theirs.fileno()])
     theirs.close()
     ours.setblocking(False)
-    loop = __import__("asyncio").get_running_loop()
+    loop = asyncio.get_running_loop()
     commit = Commit(work / "store.db")
     try:
         with anyio.fail_after(30):

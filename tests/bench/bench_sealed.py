@@ -98,10 +98,6 @@ def host_fixture_times(port: int, token: str) -> list[float]:
         return [r["time"] for r in json.loads(resp.read())["requests"]]
 
 
-def host_fixture_count(port: int, token: str) -> int:
-    return len(host_fixture_times(port, token))
-
-
 def in_netns_times(pid: int, token: str) -> list[float]:
     """The direct fixture's request arrival times, asked from inside the sandbox's namespace."""
     code = ("import json,sys,urllib.request as u;"
@@ -111,10 +107,6 @@ def in_netns_times(pid: int, token: str) -> list[float]:
     out = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "--", sys.executable, "-c", code],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
-
-
-def in_netns_count(pid: int, token: str) -> int:
-    return len(in_netns_times(pid, token))
 
 
 @dataclass
@@ -191,9 +183,9 @@ async def bench_runtime(sup: Any, runtime: str, rounds: int, live: int, host: tu
                 arm = arms[name] or Arm(name, gw, member)
                 arm.gateway, arm.member = gw, member  # a fresh member (NEW) each round
                 arms[name] = arm
-                before = (host_fixture_count(*host), in_netns_count(pid, direct_token))
+                before = (len(host_fixture_times(*host)), len(in_netns_times(pid, direct_token)))
                 await one_round(sup, sandbox, runtime, arm, live, r)
-                after = (host_fixture_count(*host), in_netns_count(pid, direct_token))
+                after = (len(host_fixture_times(*host)), len(in_netns_times(pid, direct_token)))
                 grew = (after[0] - before[0], after[1] - before[1])
                 arm.requests.append(max(grew))
                 # each arm reached its own model only

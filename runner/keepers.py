@@ -110,7 +110,11 @@ class Keepers:
         turn = KeeperTurn(job_json=job.model_dump_json(), start_json=start.model_dump_json(),
                           offset=handle.channel.offset, context_status=status.value if status else None,
                           started_at=started_at, timings_json=timings.model_dump_json())
-        await self.store.put_keeper(self._record(key, runtime, handle, session, turn))
+        # Not flushed to disk (sync=False; the receipt's commit flushes it): the record serves
+        # a daemon that restarts while the keeper lives, and a keeper outlives only what the
+        # machine outlives. A crash of the machine takes the keeper and the page cache alike;
+        # the turn is then closed as orphaned (the claim is on disk) and the member RESTORED.
+        await self.store.put_keeper(self._record(key, runtime, handle, session, turn), sync=False)
 
     async def forget(self, key: MemberKey) -> None:
         await self.store.delete_keeper(*key)

@@ -26,10 +26,12 @@ from drivers.models import DriverOptions
 from images.identity import carries_bridge, image_tag
 from images.pins import Pins, load_pins
 from runner.admission import Grant, HostBusy
+from runner.alongside import alongside
 from runner.capacity import HostCapacity
 from runner.capacity_metrics import CapacityMetrics
 from runner.chat_deletion import ChatDeletions, delete_chat
 from runner.chat_status import chat_status
+from runner.claim_on_disk import ClaimOnDisk
 from runner.config import Settings
 from runner.forks import Forker
 from runner.housekeeping import Heartbeat, Housekeeping
@@ -196,8 +198,9 @@ class Supervisor:
             return Submission("busy", busy=busy)
         mark("admitted")
         try:
+            # flushed beside the turn's preparation, before the CLI's input (runner.claim_on_disk)
             claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(),
-                                               self.owner)
+                                               self.owner, sync=False)
         except BaseException:
             self.capacity.release(grant)
             raise
@@ -216,13 +219,8 @@ class Supervisor:
         last: dict[str, Any] = {"type": "error", "error": "internal_error", "detail": "cancelled"}
         try:
             with entry.scope:
-                # a job that came while its chat is being deleted runs after it, on the new chat
-                await self.deletions.wait_clear((job.user_id, job.chat_id))
-                await self.capacity.make_room(entry.grant)
-                mark("room_made")
-                async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
-                    mark("locked")
-                    receipt = await self.runner.execute(job, entry.stream.emit)
+                on_disk = ClaimOnDisk()
+                receipt = await alongside(lambda: on_disk.flush(self.store.sync), lambda: self._turn(entry, on_disk))
             if entry.scope.cancelled_caught:
                 receipt = await self._close_cancelled(job)
             entry.receipt = receipt
@@ -259,6 +257,16 @@ class Supervisor:
             entry.stream.finish(last)
             mark("receipt_framed")
             self._jobs.pop((job.user_id, job.job_id), None)
+
+    async def _turn(self, entry: _Job, on_disk: ClaimOnDisk) -> Receipt:
+        job = entry.job
+        # a job that came while its chat is being deleted runs after it, on the new chat
+        await self.deletions.wait_clear((job.user_id, job.chat_id))
+        await self.capacity.make_room(entry.grant)
+        mark("room_made")
+        async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
+            mark("locked")
+            return await self.runner.execute(job, entry.stream.emit, claim_on_disk=on_disk.wait)
 
     async def _close_cancelled(self, job: Job) -> Receipt:
         """A job its chat's deletion cancelled: the receipt the turn committed as it was

@@ -8,7 +8,7 @@ verify identity at settlement -> commit -> retire when asked or when not settled
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -155,8 +155,11 @@ class TurnRunner:
 
     # -- the state machine ---------------------------------------------------------------------------
 
-    async def execute(self, job: Job, emit: Emit) -> Receipt:
-        ctx = TurnContext(job=job, emit=emit)
+    async def execute(self, job: Job, emit: Emit, *,
+                      claim_on_disk: Callable[[], Awaitable[None]] | None = None) -> Receipt:
+        """``claim_on_disk``: returns once the job's claim is flushed; the CLI gets the message
+        only after it (the claim was committed with ``sync=False``: runner.claim_on_disk)."""
+        ctx = TurnContext(job=job, emit=emit, claim_on_disk=claim_on_disk)
         key = (job.user_id, job.chat_id, job.member_id)
         left = False
         try:
@@ -405,6 +408,9 @@ class TurnRunner:
                                          started_at=t_ctx.started_at, timings=t_ctx.timings)
 
             session.before_turn = record_start
+        if ctx.claim_on_disk is not None:
+            await ctx.claim_on_disk()  # a power loss never leaves a message the CLI saw unclaimed
+            mark("claim_on_disk")
         t = time.monotonic()
         outcome: Settlement | NotSettled
         try:

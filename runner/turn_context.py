@@ -76,6 +76,8 @@ class TurnContext:
     # SPEC 15: the member's native state was last verified in another container / on another image
     recreated: bool = False
     upgraded_from: UpgradedFrom | None = None
+    # awaited before the CLI gets the message: the job's claim is on disk (runner.claim_on_disk)
+    claim_on_disk: Callable[[], Awaitable[None]] | None = None
 
     def ms_since(self, t: float) -> int:
         return int((time.monotonic() - t) * 1000)

@@ -85,11 +85,11 @@ class SQLiteKeepers:
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         raise NotImplementedError
 
-    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *, sync: bool = True) -> T:
         raise NotImplementedError
 
-    async def put_keeper(self, rec: KeeperRecord) -> None:
-        await self._run(lambda db: self._tx(db, lambda d: sqlite_put_keeper(d, rec)))
+    async def put_keeper(self, rec: KeeperRecord, *, sync: bool = True) -> None:
+        await self._run(lambda db: self._tx(db, lambda d: sqlite_put_keeper(d, rec), sync=sync))
 
     async def list_keepers(self, host_id: str) -> list[KeeperRecord]:
         def q(db: sqlite3.Connection) -> list[KeeperRecord]:
@@ -111,8 +111,8 @@ class PostgresKeepers:
     async def _tx(self, fn: Callable[[Any], Awaitable[T]]) -> T:
         raise NotImplementedError
 
-    async def put_keeper(self, rec: KeeperRecord) -> None:
-        await self._tx(lambda conn: postgres_put_keeper(conn, rec))
+    async def put_keeper(self, rec: KeeperRecord, *, sync: bool = True) -> None:
+        await self._tx(lambda conn: postgres_put_keeper(conn, rec))  # every commit here is synced
 
     async def list_keepers(self, host_id: str) -> list[KeeperRecord]:
         async def q(conn: Any) -> list[KeeperRecord]:

@@ -91,6 +91,11 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
         await self._migrate()
         self._opened = True
 
+    async def sync(self) -> None:
+        """Nothing to wait for: the server flushes every synced commit before answering, and a
+        ``sync=False`` write is made synced here. (A store opened with ``sync_commits=False``,
+        the model proxy's, is flushed by the server's WAL writer within its delay instead.)"""
+
     async def aclose(self) -> None:
         await self._drop_lease_conn()
         await self._pool.close()
@@ -286,8 +291,8 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
         return Claim("done" if job.state == JobState.DONE else "running", job)
 
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str) -> Claim:
-        lease = self._lease
+                        body_digest: str, owner: str, *, sync: bool = True) -> Claim:
+        lease = self._lease  # ``sync`` aside: every commit of the daemon's store is synced
 
         async def q(conn: Conn) -> Claim:
             row = await self._one(conn, self._JOB, (user_id, job_id))

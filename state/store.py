@@ -10,6 +10,7 @@ never blocks on disk; ``BEGIN IMMEDIATE`` serialises every writing transaction.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -52,6 +53,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         """``sync_commits=False``: a commit is not flushed to disk by itself but by the next
         one that is (the WAL is one file, appended in order; see :func:`state.backends.open_store`)."""
         self.path = path
+        self.sync_commits = sync_commits
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -80,15 +82,45 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
 
         return await anyio.to_thread.run_sync(call, limiter=self._limiter)
 
-    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
-        db.execute("BEGIN IMMEDIATE")
+    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *, sync: bool = True) -> T:
+        """One writing transaction. ``sync=False``: its commit is written to the WAL but not
+        flushed (it survives the process, not the machine) until :meth:`sync` or the next
+        flushed commit of any connection."""
+        relaxed = not sync and self.sync_commits
+        if relaxed:
+            db.execute("PRAGMA synchronous=NORMAL")  # outside the transaction: SQLite's rule
         try:
-            result = fn(db)
-            db.execute("COMMIT")
-            return result
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(db)
+                db.execute("COMMIT")
+                return result
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        finally:
+            if relaxed:
+                db.execute("PRAGMA synchronous=FULL")
+
+    async def sync(self) -> None:
+        """Every commit made so far is on disk when this returns (those made with ``sync=False``
+        included): the WAL file's fsync, on a worker thread of its own so the connection's
+        thread serves reads meanwhile."""
+        await anyio.to_thread.run_sync(self._fsync_wal)
+
+    def _fsync_wal(self) -> None:
+        # A fresh descriptor each time: fsync is per file, whichever descriptor asks. With no
+        # WAL file every commit was checkpointed into the database, which the checkpoint synced.
+        for path in (f"{self.path}-wal", str(self.path)):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
 
     def close(self) -> None:
         with self._lock:
@@ -254,10 +286,12 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         return JobRecord(**dict(row))
 
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str) -> Claim:
+                        body_digest: str, owner: str, *, sync: bool = True) -> Claim:
         """The job fence: the first claim wins; every later one sees the first one's state.
 
         Job ids are scoped by user: the same id from another user is a different job.
+        ``sync=False``: the claim fences at once but reaches the disk with :meth:`sync`, which
+        the caller awaits before anything the claim fences happens (the CLI's input).
         """
 
         lease = self._lease
@@ -279,7 +313,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
             return Claim("claimed", self._job(row))
 
-        return await self._run(lambda db: self._tx(db, q))
+        return await self._run(lambda db: self._tx(db, q, sync=sync))
 
     async def get_job(self, user_id: str, job_id: str) -> JobRecord | None:
         def q(db: sqlite3.Connection) -> JobRecord | None:

@@ -53,3 +53,45 @@ async def test_upgrade_from_version_1_keeps_rows(tmp_path) -> None:
     s.close()
 
 # The job fence, the commit rule and the host fence on both backends: test_store_contract.py
+
+
+async def test_a_commit_without_sync_is_written_with_the_flush_off_and_the_flush_back_on_after(store) -> None:
+    """``sync=False`` (the job claim; a keeper's turn start): the transaction runs with
+    ``synchronous=NORMAL`` (no fsync at its commit) and every later one with FULL again."""
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
+    await store.claim_job("j2", "u", "c", "m", "d", "o")
+    store._db.set_trace_callback(None)
+    shape = [s.split(" ")[0] if not s.startswith("PRAGMA") else s for s in statements]
+    assert shape == ["PRAGMA synchronous=NORMAL", "BEGIN", "SELECT", "INSERT", "SELECT", "COMMIT",
+                     "PRAGMA synchronous=FULL",
+                     "BEGIN", "SELECT", "INSERT", "SELECT", "COMMIT"]
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2
+
+
+async def test_a_commit_without_sync_survives_the_process_being_killed(tmp_path) -> None:
+    """What ``sync=False`` keeps: a ``kill -9`` right after the commit loses nothing (the WAL
+    holds it; only a crash of the machine before :meth:`Store.sync` could)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal, anyio
+        from state.store import Store
+        s = Store(__import__("pathlib").Path({str(tmp_path / "s.db")!r}))
+        anyio.run(lambda: s.claim_job("j1", "u", "c", "m", "d", "o", sync=False))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd(), capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    again = Store(tmp_path / "s.db")
+    try:
+        job = await again.get_job("u", "j1")
+        assert job is not None and (job.state, job.owner) == (JobState.RUNNING, "o")
+    finally:
+        again.close()
+

@@ -88,6 +88,18 @@ async def test_job_fence(store: StoreContract) -> None:
     assert (await store.get_job("u", "j1")).receipt_json == '{"r": 1}'
 
 
+async def test_a_claim_made_without_sync_fences_at_once_and_sync_returns(store: StoreContract, tmp_path) -> None:
+    """``sync=False`` defers only the flush: another host's handle sees the claim at once."""
+    assert (await store.claim_job("j1", "u", "c", "m", "d", "owner-1", sync=False)).kind == "claimed"
+    other = await second_handle(store, tmp_path)
+    try:
+        assert (await other.claim_job("j1", "u", "c", "m", "d", "owner-2")).kind == "running"
+    finally:
+        await other.aclose()
+    await store.sync()
+    assert [(r["job_id"], r["owner"], r["state"]) for r in rows(store, "jobs")] == [("j1", "owner-1", "running")]
+
+
 async def test_many_concurrent_claims_of_one_job_admit_exactly_one(store: StoreContract, tmp_path) -> None:
     handles = [store] + [await second_handle(store, tmp_path) for _ in range(3)]  # four "hosts"
     kinds: list[str] = []

@@ -153,11 +153,13 @@ class Rig:
 
     async def run(self, message: str = "hello", *, runtime: str = "codex", member_id: str = KEY[2],
                   **extra: Any) -> Receipt:
+        claim_on_disk = extra.pop("claim_on_disk", None)  # with it, the claim is made sync=False
         job = Job(job_id=f"job-{next(self.jobs)}", user_id=KEY[0], chat_id=KEY[1], member_id=member_id, runtime=runtime,
                   message=message, **extra)
-        claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(), "me")
+        claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(), "me",
+                                           sync=claim_on_disk is None)
         assert claim.kind == "claimed"
-        receipt = await self.runner.execute(job, self.events.append)
+        receipt = await self.runner.execute(job, self.events.append, claim_on_disk=claim_on_disk)
         stored = await self.store.get_job(job.user_id, job.job_id)
         assert stored is not None and Receipt.model_validate_json(stored.receipt_json or "{}") == receipt
         return receipt
@@ -477,3 +479,52 @@ async def test_a_failed_handshake_gives_its_slot_back(tmp_path) -> None:
             assert outcome(await rig.run("one")) == ("NEW", "succeeded", None)
         assert registry.get_sample_value("cloud_agent_launch_slot_waits_total", {"runtime": "codex"}) is None
         assert rig.script.messages == ["one"]
+
+
+# -- the claim reaches the disk before the CLI's input (runner.claim_on_disk) --------------------------
+
+
+async def test_the_cli_gets_the_message_only_once_the_claim_is_on_disk(rig: Rig) -> None:
+    rig.script.turns = [settled(), settled()]
+    await rig.run("one")
+    waiting, release = anyio.Event(), anyio.Event()
+
+    async def on_disk() -> None:
+        waiting.set()
+        await release.wait()
+
+    receipts: list[Receipt] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: _append(receipts, rig.run("two", claim_on_disk=on_disk)))
+        with anyio.fail_after(5):
+            await waiting.wait()
+        # the turn got ready (its status is out) while the claim was flushed, and waits for it
+        assert rig.events[-1] == {"type": "status", "context_status": "LIVE"}
+        assert rig.script.messages == ["one"]
+        release.set()
+    assert outcome(receipts[0]) == ("LIVE", "succeeded", None)
+    assert rig.script.messages == ["one", "two"]
+
+
+async def test_a_claim_that_cannot_reach_the_disk_fails_the_job_before_the_cli_sees_it(rig: Rig) -> None:
+    from runner.claim_on_disk import ClaimOnDisk
+    from state.contract import StoreUnavailable
+    from state.records import JobState
+
+    rig.script.turns = [settled(), settled()]
+    await rig.run("one")
+
+    async def broken_disk() -> None:
+        raise OSError(5, "Input/output error")
+
+    on_disk = ClaimOnDisk()
+    await on_disk.flush(broken_disk)
+    with pytest.raises(StoreUnavailable, match="did not reach the disk: OSError.5, 'Input/output error'"):
+        await rig.run("two", claim_on_disk=on_disk.wait)
+    assert rig.script.messages == ["one"]
+    job = await rig.store.get_job(KEY[0], "job-1")
+    assert job is not None and (job.state, job.receipt_json) == (JobState.RUNNING, None)  # the supervisor closes it
+
+
+async def _append(out: list[Receipt], receipt: Any) -> None:
+    out.append(await receipt)

@@ -128,6 +128,8 @@ class TurnRunner:
     async def _commit(self, ctx: TurnContext, receipt: Receipt, verified: Locator | None,
                       keeper: KeeperRecord | None = None) -> Receipt:
         with anyio.CancelScope(shield=True):
+            if ctx.proxy_begun is not None:
+                await ctx.proxy_begun()  # the settle's flush ends what the begin began: after it
             settled = (ctx.member.settled_turns if ctx.member else 0) + (1 if verified is not None else 0)
             wire, row = await self.model_path.settle(receipt, ctx.member, message=ctx.job.message,
                                                      compaction=ctx.compacted, settled_index=settled)
@@ -159,12 +161,21 @@ class TurnRunner:
                       claim_on_disk: Callable[[], Awaitable[None]] | None = None) -> Receipt:
         """``claim_on_disk``: returns once the job's claim is flushed; the CLI gets the message
         only after it (the claim was committed with ``sync=False``: runner.claim_on_disk)."""
-        ctx = TurnContext(job=job, emit=emit, claim_on_disk=claim_on_disk)
+        begun = anyio.Event()
+        ctx = TurnContext(job=job, emit=emit, claim_on_disk=claim_on_disk, proxy_begun=begun.wait)
         key = (job.user_id, job.chat_id, job.member_id)
+
+        async def begin() -> None:
+            try:
+                await self.model_path.begin(job)
+            finally:
+                begun.set()
+
         left = False
         try:
-            ctx.member = await self._begin(job, key)
-            return await self._execute(ctx, key)
+            # the proxy learns the member's requests belong to this job beside the member read
+            # and the sandbox's checks; the CLI's input waits for it (``proxy_begun``)
+            return await alongside(begin, lambda: self._read_and_execute(ctx, key))
         except BaseException:
             left = self.detaching
             raise
@@ -172,6 +183,11 @@ class TurnRunner:
             await self._end_of_turn(job, left=left)
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)  # a replacement by another member may go on
+
+    async def _read_and_execute(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
+        ctx.member = await self.store.get_member(*key)
+        mark("member_read")
+        return await self._execute(ctx, key)
 
     async def _begin(self, job: Job, key: tuple[str, str, str]) -> MemberRecord | None:
         """The proxy learns that the member's requests belong to ``job`` while the store reads the
@@ -410,7 +426,9 @@ class TurnRunner:
             session.before_turn = record_start
         if ctx.claim_on_disk is not None:
             await ctx.claim_on_disk()  # a power loss never leaves a message the CLI saw unclaimed
-            mark("claim_on_disk")
+        if ctx.proxy_begun is not None:
+            await ctx.proxy_begun()  # the CLI's requests are this job's from its first one
+        mark("before_input")
         t = time.monotonic()
         outcome: Settlement | NotSettled
         try:

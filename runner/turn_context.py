@@ -76,8 +76,11 @@ class TurnContext:
     # SPEC 15: the member's native state was last verified in another container / on another image
     recreated: bool = False
     upgraded_from: UpgradedFrom | None = None
-    # awaited before the CLI gets the message: the job's claim is on disk (runner.claim_on_disk)
+    # Work that runs beside the turn's preparation but is done before the CLI gets the message:
+    # the job's claim on disk (runner.claim_on_disk) and the proxy knowing the member's requests
+    # belong to this job (awaited before the settle's flush too: the end follows the begin)
     claim_on_disk: Callable[[], Awaitable[None]] | None = None
+    proxy_begun: Callable[[], Awaitable[None]] | None = None
 
     def ms_since(self, t: float) -> int:
         return int((time.monotonic() - t) * 1000)

@@ -51,6 +51,7 @@ from state.jobs import Job
 from state.receipts import Outcome, Receipt, WireDifference, WireInfo
 from state.records import MemberRecord, SandboxState
 from state.wire_ledger import WireRecordRow, WireTurnRow
+from telemetry.turn_trace import mark
 
 log = structlog.get_logger("model_path")
 
@@ -261,7 +262,9 @@ class ModelPath:
             key, mk = self.chat_key(receipt.user_id, receipt.chat_id), member_key(receipt.member_id)
             end_of = (mk, receipt.job_id) if self._take_job(key, mk, receipt.job_id) else None
             await self._tell("flush", lambda p: p.flush(key, FLUSH_TIMEOUT_S, end_of))
+            mark("wire_flushed")
         records, baseline, failed = await self._settle_inputs(receipt, member)
+        mark("wire_read")
         compaction = compaction or saw_summary(records)
         verdict = wire_verdict(records, baseline=baseline, message=message, failed_before=failed,
                                compaction=compaction, runtime=receipt.runtime)

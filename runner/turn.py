@@ -422,6 +422,7 @@ class TurnRunner:
             async def record_start(start: TurnStart) -> None:
                 await keepers.begin_turn(key, job.runtime, handle, session, job, start, status=t_ctx.status,
                                          started_at=t_ctx.started_at, timings=t_ctx.timings)
+                mark("turn_recorded")
 
             session.before_turn = record_start
         if ctx.claim_on_disk is not None:

@@ -49,6 +49,7 @@ from images.build import ensure_image
 from runner.processes import member_paths, start_in_sandbox
 from runner.transport import exec_transport
 from runner.turn import TestHooks
+from telemetry.turn_trace import mark
 from tests.bench.api_client import RemoteClient
 from tests.daemon_harness import TOKEN, daemon_settings, running_daemon
 from tests.support.store import rows
@@ -139,6 +140,10 @@ class Stamps:
         stamps = self
 
         class Stamped(TransportWrapper):
+            async def send(self, line: bytes) -> None:
+                await self.inner.send(line)
+                mark("input_sent")  # in a traced job's task: the CLI's input is on its way
+
             async def receive(self) -> bytes | None:
                 line = await self.inner.receive()
                 stamps.lines.append(time.perf_counter_ns())

@@ -50,8 +50,7 @@ from state.contract import StoreContract
 from state.jobs import Job
 from state.receipts import Outcome, Receipt, WireDifference, WireInfo
 from state.records import MemberRecord, SandboxState
-from state.wire_ledger import WireRecordRow, WireTurnRow
-from telemetry.turn_trace import mark
+from state.wire_ledger import SettleQuery, WireExpectation, WireRecordRow, WireSettleView, WireTurnRow
 
 log = structlog.get_logger("model_path")
 
@@ -255,16 +254,49 @@ class ModelPath:
 
     async def settle(self, receipt: Receipt, member: MemberRecord | None, *, message: str, compaction: bool,
                      settled_index: int) -> tuple[WireInfo, WireTurnRow]:
-        """The turn's wire verdict and the ledger row that is committed with its receipt."""
-        if self._ops is not None:
-            # the verdict is taken from what the flush leaves recorded: the member's later
-            # requests no longer belong to the job (its ``end``, told with the flush)
-            key, mk = self.chat_key(receipt.user_id, receipt.chat_id), member_key(receipt.member_id)
-            end_of = (mk, receipt.job_id) if self._take_job(key, mk, receipt.job_id) else None
-            await self._tell("flush", lambda p: p.flush(key, FLUSH_TIMEOUT_S, end_of))
-            mark("wire_flushed")
-        records, baseline, failed = await self._settle_inputs(receipt, member)
-        mark("wire_read")
+        """The turn's wire verdict and the ledger row to commit with its receipt, read apart
+        from the commit (a turn's own commit judges inside it: ``Store.settle_job``)."""
+        await self.flush(receipt)
+        view = await self._read_view(receipt, member)
+        wire, row = self.judge(receipt, member, view, message=message, compaction=compaction,
+                               settled_index=settled_index)
+        self.count_verdict(receipt.runtime, wire)
+        return wire, row
+
+    def count_verdict(self, runtime: str, wire: WireInfo) -> None:
+        """Once per committed verdict (a commit's retry may judge twice)."""
+        self.verdict_metrics.observe(runtime, wire.history)
+
+    async def flush(self, receipt: Receipt) -> None:
+        """Every request of the turn's chat has its record, and the member's later requests no
+        longer belong to the job (its ``end``, told with the flush): the verdict's view is final."""
+        if self._ops is None:
+            return
+        key, mk = self.chat_key(receipt.user_id, receipt.chat_id), member_key(receipt.member_id)
+        end_of = (mk, receipt.job_id) if self._take_job(key, mk, receipt.job_id) else None
+        await self._tell("flush", lambda p: p.flush(key, FLUSH_TIMEOUT_S, end_of))
+
+    @staticmethod
+    def settle_query(receipt: Receipt, member: MemberRecord | None) -> SettleQuery:
+        """The ledger view the verdict reads: the job's records and the member's standing (a
+        fork with no turn of its own compares with its source at the fork point)."""
+        if member is None:
+            return SettleQuery(receipt.chat_id, None)
+        fork = (member.forked_from, member.settled_turns) if member.forked_from is not None else None
+        return SettleQuery(receipt.chat_id, member.member_id, fork)
+
+    def judge(self, receipt: Receipt, member: MemberRecord | None, view: WireSettleView, *, message: str,
+              compaction: bool, settled_index: int) -> tuple[WireInfo, WireTurnRow]:
+        """The verdict from the view; pure, for it runs on the store's thread inside the commit's
+        transaction, once per attempt (:meth:`count_verdict` counts it once it stands)."""
+        records, own = _records(view.records), view.expectation
+        baseline: Baseline | None = None
+        failed: list[str] = []
+        if member is not None and own.conversational:
+            baseline = Baseline.model_validate_json(own.baseline_json) if own.baseline_json else None
+            failed = own.failed_texts
+        elif member is not None and member.forked_from is not None and view.fork_baseline is not None:
+            baseline = Baseline.model_validate_json(view.fork_baseline)
         compaction = compaction or saw_summary(records)
         verdict = wire_verdict(records, baseline=baseline, message=message, failed_before=failed,
                                compaction=compaction, runtime=receipt.runtime)
@@ -276,30 +308,22 @@ class ModelPath:
                           job_id=receipt.job_id, settled_index=settled_index, outcome=receipt.outcome.value,
                           conversational=conversational, baseline_json=left.model_dump_json() if left else None,
                           failed_text=failed_text, created_at=datetime.now(UTC).isoformat())
-        self.verdict_metrics.observe(receipt.runtime, verdict.history)
         return to_wire_info(verdict), row
 
     async def records(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecord]:
         return _records(await self.store.wire_records_of_job(user_id, chat_id, job_id))
 
-    async def _settle_inputs(self, receipt: Receipt, member: MemberRecord | None
-                             ) -> tuple[list[WireRecord], Baseline | None, list[str]]:
-        """The job's records, and the baseline of the member's last conversational turn with the
-        failed queries since — in one store round trip, short whatever the chat's length (reading
-        every turn made each turn of a long chat slower: 11% of a 300-turn profile). A fork with
-        no turn of its own yet compares with its source at the fork point (one read more)."""
-        if member is None:
-            return await self.records(receipt.user_id, receipt.chat_id, receipt.job_id), None, []
-        view = await self.store.wire_settle_view(receipt.user_id, receipt.chat_id, member.member_id, receipt.job_id)
-        records, own = _records(view.records), view.expectation
-        if not own.conversational and member.forked_from is not None:
-            at = await self.store.wire_baseline_at(member.user_id, member.chat_id, member.forked_from,
-                                                   member.settled_turns)
-            return records, (Baseline.model_validate_json(at) if at else None), []
-        if not own.conversational:
-            return records, None, []
-        baseline = Baseline.model_validate_json(own.baseline_json) if own.baseline_json else None
-        return records, baseline, own.failed_texts
+    async def _read_view(self, receipt: Receipt, member: MemberRecord | None) -> WireSettleView:
+        """:meth:`settle_query`'s view through the store's reads (outside a commit)."""
+        query = self.settle_query(receipt, member)
+        if query.member_id is None:
+            rows = await self.store.wire_records_of_job(receipt.user_id, receipt.chat_id, receipt.job_id)
+            return WireSettleView(rows, WireExpectation(False, None, []))
+        view = await self.store.wire_settle_view(receipt.user_id, receipt.chat_id, query.member_id, receipt.job_id)
+        if view.expectation.conversational or query.fork_source is None:
+            return view
+        at = await self.store.wire_baseline_at(receipt.user_id, receipt.chat_id, *query.fork_source)
+        return WireSettleView(view.records, view.expectation, at)
 
     async def purge_capture(self) -> int:
         before = datetime.now(UTC) - timedelta(days=self.settings.wire_capture_days)

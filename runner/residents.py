@@ -12,6 +12,7 @@ import structlog
 
 from drivers.base import NativeSession, wait_closed
 from drivers.models import Locator
+from drivers.transport import TransportClosed
 
 log = structlog.get_logger("residents")
 
@@ -95,6 +96,9 @@ class ResidentPool:
                     # last reply to its transcript up to ~0.1 s after `result`, and a signal
                     # in that window loses it from the native history.
                     await wait_closed(r.session.transport, self.grace_s)
+            except TransportClosed as exc:
+                # the process was already gone (its sandbox stopped or removed under it): nothing to close
+                log.info("resident.already_gone", detail=str(exc))
             except Exception as exc:  # noqa: BLE001 - retiring must always finish
                 log.warning("resident.close_failed", error=repr(exc))
             try:

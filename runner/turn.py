@@ -39,6 +39,7 @@ from runner.hooks import TestHooks
 from runner.residents import Resident, ResidentPool
 from runner.model_path import ModelPath
 from runner.transport import exec_transport
+from runner.turn_commit import commit_turn
 from runner.turn_context import (
     Detached,
     Emit,
@@ -53,7 +54,6 @@ from runner.turn_context import (
     serves,
     standing,
     to_locator,
-    to_saved,
 )
 from sandbox_manager.chat_containers import ImageRefused
 from sandbox_manager.disk_bound import SandboxRefused
@@ -64,11 +64,10 @@ from sandbox_manager.sandbox import Sandbox
 from sandbox_manager.sandboxes import SandboxManager
 from sandbox_manager.sealing import ModelGateNotReady
 from state.jobs import Job
-from state.contract import VerifiedIn
 from state.keepers import KeeperRecord, KeeperTurn
 from state.receipts import ContextStatus, Outcome, Receipt, Timings
 from state.records import MemberRecord
-from state.store import MemberOutcome, Store, VerifiedTurn
+from state.store import Store
 from telemetry.turn_trace import mark
 
 log = structlog.get_logger("turn")
@@ -127,33 +126,7 @@ class TurnRunner:
 
     async def _commit(self, ctx: TurnContext, receipt: Receipt, verified: Locator | None,
                       keeper: KeeperRecord | None = None) -> Receipt:
-        with anyio.CancelScope(shield=True):
-            if ctx.proxy_begun is not None:
-                await ctx.proxy_begun()  # the settle's flush ends what the begin began: after it
-            settled = (ctx.member.settled_turns if ctx.member else 0) + (1 if verified is not None else 0)
-            wire, row = await self.model_path.settle(receipt, ctx.member, message=ctx.job.message,
-                                                     compaction=ctx.compacted, settled_index=settled)
-        mark("wire_settled")
-        receipt = receipt.model_copy(update={"wire": wire})
-        where = VerifiedIn(container_id=receipt.sandbox.container_id, image_id=receipt.sandbox.image_id,
-                           cli_version=receipt.cli_version)
-        member = MemberOutcome(
-            last_status=receipt.context_status.value if receipt.context_status else "-",
-            last_outcome=receipt.outcome.value,
-            verified=VerifiedTurn(to_saved(verified), where) if verified is not None else None,
-            wire=row,
-            keeper=keeper,
-        )
-        with anyio.CancelScope(shield=True):
-            # the member's requests stopped belonging to the job with the verdict (the settle's
-            # flush ends it: a turn being committed is never one left to the next daemon; the
-            # end its ``finally`` asks for again is then a no-op)
-            await self.store.finish_job(receipt.user_id, receipt.job_id, receipt.model_dump_json(), member)
-        mark("committed")
-        log.info("turn.committed", job_id=receipt.job_id, runtime=receipt.runtime,
-                 status=receipt.context_status, outcome=receipt.outcome, reason=receipt.reason,
-                 total_ms=receipt.timings_ms.total, wire=wire.history)
-        return receipt
+        return await commit_turn(self.store, self.model_path, ctx, receipt, verified, keeper)
 
     # -- the state machine ---------------------------------------------------------------------------
 

@@ -20,13 +20,14 @@ the same migrations (``state.migrations``) and keep the same invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal, Protocol, runtime_checkable
 
 from state.keepers import KeeperRecord
 from state.records import JobRecord, MemberRecord, PendingFork, SandboxRecord, SandboxState, SavedLocator
-from state.wire_ledger import WireExpectation, WireRecordRow, WireSettleView, WireTurnRow
+from state.wire_ledger import SettleQuery, WireExpectation, WireRecordRow, WireSettleView, WireTurnRow
 
 
 def now() -> datetime:
@@ -168,6 +169,9 @@ class StoreContract(Protocol):
                         body_digest: str, owner: str, *, sync: bool = True) -> Claim: ...
     async def get_job(self, user_id: str, job_id: str) -> JobRecord | None: ...
     async def finish_job(self, user_id: str, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None: ...
+    # finish_job, its receipt decided in the same transaction from the ledger view of its verdict
+    async def settle_job(self, user_id: str, job_id: str, query: SettleQuery,
+                         decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]]) -> None: ...
     async def close_orphaned_job(self, user_id: str, job_id: str, receipt_json: str) -> bool: ...
     async def running_jobs(self, *, not_owner: str | None = None, host_id: str | None = None) -> list[JobRecord]: ...
     async def recent_receipts(self, user_id: str, chat_id: str, limit: int = 10) -> list[str]: ...

@@ -43,7 +43,7 @@ from state.migrations import MIGRATIONS
 from state.keepers import PostgresKeepers, postgres_put_keeper
 from state.postgres_fleet import NOW_MS, Conn, PostgresFleet
 from state.chat_deletion import PostgresChatDeletion
-from state.wire_ledger import PostgresWireLedger, postgres_put_turn
+from state.wire_ledger import PostgresWireLedger, SettleQuery, WireSettleView, postgres_put_turn, postgres_settle_view
 from state.records import JobRecord, JobState, MemberRecord, PendingFork, SandboxRecord, SandboxState, SavedLocator
 from state.store import Store as _SQLiteRows  # row -> record mapping only
 
@@ -61,6 +61,10 @@ def redact(url: str) -> str:
         return "postgresql://(unparsable)"
     return f"postgresql://{info.get('user', '')}@{info.get('host', '')}:{info.get('port', '')}/{info.get('dbname', '')}"
 
+
+
+async def _decided(receipt_json: str, member: MemberOutcome | None) -> tuple[str, MemberOutcome | None]:
+    return receipt_json, member
 
 class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, PostgresKeepers):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout_s: float = 10.0,
@@ -324,7 +328,22 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
 
     async def finish_job(self, user_id: str, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None:
         """Receipt and member state in ONE transaction; retried while the server is away."""
+        await self._finish(user_id, job_id, lambda conn: _decided(receipt_json, member))
+
+    async def settle_job(self, user_id: str, job_id: str, query: SettleQuery,
+                         decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]]) -> None:
+        """:meth:`finish_job` with the receipt decided inside the same transaction, from the
+        ledger view its wire verdict reads."""
+
+        async def decided(conn: Conn) -> tuple[str, MemberOutcome | None]:
+            return decide(await postgres_settle_view(conn, user_id, job_id, query))
+
+        await self._finish(user_id, job_id, decided)
+
+    async def _finish(self, user_id: str, job_id: str,
+                      decided: Callable[[Conn], Awaitable[tuple[str, MemberOutcome | None]]]) -> None:
         attempt = 0
+        ours: list[str] = []  # the receipts our attempts decided: an unacknowledged commit holds the last
 
         async def q(conn: Conn) -> None:
             row = await self._one(conn, self._JOB + " FOR UPDATE", (user_id, job_id))
@@ -332,11 +351,13 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
                 raise KeyError(job_id)
             job = JobRecord(**row)
             if job.state == JobState.DONE:
-                if attempt > 0 and job.receipt_json == receipt_json:
+                if attempt > 0 and ours and job.receipt_json == ours[-1]:
                     return  # our earlier attempt committed; its acknowledgement was lost
                 await self._check_lease(conn)  # closed by another host because this one is fenced
                 raise RuntimeError(f"job {job_id} already committed")  # never commit twice
             await self._check_lease(conn)  # a host that lost its lease never commits late
+            receipt_json, member = await decided(conn)
+            ours.append(receipt_json)
             ts = now().isoformat()
             await conn.execute("UPDATE jobs SET state=%s, receipt_json=%s, finished_at=%s WHERE user_id=%s"
                                " AND job_id=%s", (JobState.DONE.value, receipt_json, ts, user_id, job_id))

@@ -33,7 +33,7 @@ from state.migrations import migrate
 from state.keepers import SQLiteKeepers, sqlite_put_keeper
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
 from state.chat_deletion import SQLiteChatDeletion
-from state.wire_ledger import SQLiteWireLedger, sqlite_put_turn
+from state.wire_ledger import SettleQuery, SQLiteWireLedger, WireSettleView, sqlite_put_turn, sqlite_settle_view
 from state.records import (
     JobRecord,
     PendingFork,
@@ -328,46 +328,63 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         The durable locator moves only for a :class:`VerifiedTurn`; every other outcome
         leaves it exactly as it was.
         """
+        await self._run(lambda db: self._tx(db, lambda d: self._finish(d, self._running_job(d, user_id, job_id),
+                                                                       receipt_json, member)))
+
+    async def settle_job(self, user_id: str, job_id: str, query: SettleQuery,
+                         decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]]) -> None:
+        """:meth:`finish_job` with the receipt decided inside the same transaction, from the
+        ledger view its wire verdict reads (``decide`` runs on the store's thread)."""
 
         def q(db: sqlite3.Connection) -> None:
-            row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
-            if row is None:
-                raise KeyError(job_id)
-            job = self._job(row)
-            if job.state == JobState.DONE:
-                self._check_lease(db)  # closed by another host because this one is fenced
-                raise RuntimeError(f"job {job_id} already committed")  # never commit twice
-            self._check_lease(db)  # a host that lost its lease never commits late
-            ts = now().isoformat()
-            db.execute("UPDATE jobs SET state=?, receipt_json=?, finished_at=? WHERE user_id=? AND job_id=?",
-                       (JobState.DONE.value, receipt_json, ts, user_id, job_id))
-            if member is None:
-                return
-            if member.wire is not None:
-                sqlite_put_turn(db, member.wire)
-            if member.keeper is not None:
-                sqlite_put_keeper(db, member.keeper)
-            if member.verified is not None:
-                v = member.verified
-                loc, at = v.locator, v.where or VerifiedIn()
-                db.execute(
-                    "UPDATE members SET locator_id=?, locator_path=?, settled_turns=settled_turns+1, last_status=?,"
-                    " last_outcome=?, pending_fork=NULL, updated_at=?, last_container_id=?, last_image_id=?,"
-                    " last_cli_version=? WHERE user_id=? AND chat_id=? AND member_id=?",
-                    (loc.id, loc.path, member.last_status, member.last_outcome, ts, at.container_id, at.image_id,
-                     at.cli_version, job.user_id, job.chat_id, job.member_id),
-                )
-            else:
-                db.execute(
-                    "UPDATE members SET last_status=?, last_outcome=?, updated_at=? WHERE user_id=? AND chat_id=?"
-                    " AND member_id=?",
-                    (member.last_status, member.last_outcome, ts, job.user_id, job.chat_id, job.member_id),
-                )
-            # the sandbox's last use, in the same transaction (no write of its own per turn)
-            db.execute("UPDATE sandboxes SET last_used_at=? WHERE user_id=? AND chat_id=? AND state=?",
-                       (ts, job.user_id, job.chat_id, SandboxState.RUNNING.value))
+            job = self._running_job(db, user_id, job_id)
+            receipt_json, member = decide(sqlite_settle_view(db, user_id, job_id, query))
+            self._finish(db, job, receipt_json, member)
 
         await self._run(lambda db: self._tx(db, q))
+
+    def _running_job(self, db: sqlite3.Connection, user_id: str, job_id: str) -> JobRecord:
+        """The job about to be committed: still running, and this host's lease live."""
+        row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
+        if row is None:
+            raise KeyError(job_id)
+        job = self._job(row)
+        if job.state == JobState.DONE:
+            self._check_lease(db)  # closed by another host because this one is fenced
+            raise RuntimeError(f"job {job_id} already committed")  # never commit twice
+        self._check_lease(db)  # a host that lost its lease never commits late
+        return job
+
+    def _finish(self, db: sqlite3.Connection, job: JobRecord, receipt_json: str, member: MemberOutcome | None) -> None:
+        user_id, job_id = job.user_id, job.job_id
+        ts = now().isoformat()
+        db.execute("UPDATE jobs SET state=?, receipt_json=?, finished_at=? WHERE user_id=? AND job_id=?",
+                   (JobState.DONE.value, receipt_json, ts, user_id, job_id))
+        if member is None:
+            return
+        if member.wire is not None:
+            sqlite_put_turn(db, member.wire)
+        if member.keeper is not None:
+            sqlite_put_keeper(db, member.keeper)
+        if member.verified is not None:
+            v = member.verified
+            loc, at = v.locator, v.where or VerifiedIn()
+            db.execute(
+                "UPDATE members SET locator_id=?, locator_path=?, settled_turns=settled_turns+1, last_status=?,"
+                " last_outcome=?, pending_fork=NULL, updated_at=?, last_container_id=?, last_image_id=?,"
+                " last_cli_version=? WHERE user_id=? AND chat_id=? AND member_id=?",
+                (loc.id, loc.path, member.last_status, member.last_outcome, ts, at.container_id, at.image_id,
+                 at.cli_version, job.user_id, job.chat_id, job.member_id),
+            )
+        else:
+            db.execute(
+                "UPDATE members SET last_status=?, last_outcome=?, updated_at=? WHERE user_id=? AND chat_id=?"
+                " AND member_id=?",
+                (member.last_status, member.last_outcome, ts, job.user_id, job.chat_id, job.member_id),
+            )
+        # the sandbox's last use, in the same transaction (no write of its own per turn)
+        db.execute("UPDATE sandboxes SET last_used_at=? WHERE user_id=? AND chat_id=? AND state=?",
+                   (ts, job.user_id, job.chat_id, SandboxState.RUNNING.value))
 
     async def running_jobs(self, *, not_owner: str | None = None, host_id: str | None = None) -> list[JobRecord]:
         """Running jobs; ``host_id``: only those that host claimed (or unbound ones)."""

@@ -98,6 +98,21 @@ class WireSettleView:
 
     records: list[WireRecordRow]
     expectation: WireExpectation
+    fork_baseline: str | None = None  # the fork source's baseline at the fork point (SettleQuery.fork_source)
+
+
+@dataclass(frozen=True)
+class SettleQuery:
+    """Which view a turn's verdict reads inside its commit (``StoreContract.settle_job``)."""
+
+    chat_id: str
+    member_id: str | None  # None: the member has no record yet: the job's records alone
+    # (source member id, settled index): a fork's source at the fork point, read only while the
+    # member has no conversational turn of its own
+    fork_source: tuple[str, int] | None = None
+
+
+_NO_EXPECTATION = WireExpectation(False, None, [])
 
 
 def _record(row: Any) -> WireRecordRow:
@@ -141,6 +156,31 @@ async def _postgres_expectation(conn: Any, key: tuple[str, str, str]) -> WireExp
     base = await (await conn.execute(_pg(_LAST_BASELINE), key)).fetchone()
     failed = [r["failed_text"] for r in await (await conn.execute(_pg(_TRAILING_FAILED), key)).fetchall()]
     return WireExpectation(True, base["baseline_json"] if base else None, failed)
+
+
+def sqlite_settle_view(db: sqlite3.Connection, user_id: str, job_id: str, query: SettleQuery) -> WireSettleView:
+    records = [_record(r) for r in db.execute(_RECORDS_OF_JOB, (user_id, query.chat_id, job_id))]
+    if query.member_id is None:
+        return WireSettleView(records, _NO_EXPECTATION)
+    own = _sqlite_expectation(db, (user_id, query.chat_id, query.member_id))
+    fork = None
+    if not own.conversational and query.fork_source is not None:
+        row = db.execute(_BASELINE_AT, (user_id, query.chat_id, *query.fork_source)).fetchone()
+        fork = row[0] if row else None
+    return WireSettleView(records, own, fork)
+
+
+async def postgres_settle_view(conn: Any, user_id: str, job_id: str, query: SettleQuery) -> WireSettleView:
+    cur = await conn.execute(_pg(_RECORDS_OF_JOB), (user_id, query.chat_id, job_id))
+    records = [_record(r) for r in await cur.fetchall()]
+    if query.member_id is None:
+        return WireSettleView(records, _NO_EXPECTATION)
+    own = await _postgres_expectation(conn, (user_id, query.chat_id, query.member_id))
+    fork = None
+    if not own.conversational and query.fork_source is not None:
+        row = await (await conn.execute(_pg(_BASELINE_AT), (user_id, query.chat_id, *query.fork_source))).fetchone()
+        fork = row["baseline_json"] if row else None
+    return WireSettleView(records, own, fork)
 
 
 class SQLiteWireLedger:

@@ -748,6 +748,62 @@ async def test_the_wire_expectation_reads_what_every_turn_would_say(store: Store
     assert [r.record_json for r in view.records] == ['{"n": 0}', '{"n": 1}', '{"n": 2}']
 
 
+async def test_settle_job_decides_the_receipt_from_the_view_inside_the_commit(store: StoreContract) -> None:
+    """``settle_job``: the job's records, the member's standing and (for a fork without a
+    turn of its own) its source's baseline at the fork point go to ``decide``; what it returns
+    is committed as ``finish_job`` commits it; a ``decide`` that raises commits nothing."""
+    from datetime import UTC, datetime
+
+    from state.wire_ledger import SettleQuery, WireRecordRow, WireTurnRow
+
+    at = datetime(2026, 12, 3, tzinfo=UTC).isoformat()
+    await store.ensure_member("u", "c", "src", "pi")
+    for i, baseline in enumerate(['{"b": 1}', '{"b": 2}'], start=1):
+        await store.claim_job(f"s{i}", "u", "c", "src", "d", "o")
+        turn = WireTurnRow("u", "c", "src", f"s{i}", i, "succeeded", True, baseline, None, at)
+        await store.finish_job("u", f"s{i}", _receipt(f"s{i}", "u", "c", "x"), MemberOutcome("LIVE", "succeeded",
+                                                                                             wire=turn))
+    await store.ensure_member("u", "c", "fork", "pi", forked_from="src")
+    await store.claim_job("f1", "u", "c", "fork", "d", "o")
+    await store.put_wire_record(WireRecordRow("r1", "u", "c", "fork", "f1", "0001", '{"n": 1}', None, at))
+    seen = []
+    receipt = _receipt("f1", "u", "c", "decided")
+
+    def decider(job: str, index: int):
+        def decide(view):
+            seen.append(([r.record_id for r in view.records], view.expectation.conversational, view.fork_baseline))
+            turn = WireTurnRow("u", "c", "fork", job, index, "succeeded", True, '{"b": 3}', None, at)
+            return receipt, MemberOutcome("LIVE", "succeeded", verified("L-fork").verified, wire=turn)
+
+        return decide
+
+    decide = decider("f1", 1)
+
+    def broken(view):
+        raise ValueError("no verdict")
+
+    with pytest.raises(ValueError, match="no verdict"):
+        await store.settle_job("u", "f1", SettleQuery("c", "fork", ("src", 1)), broken)
+    assert (await store.get_job("u", "f1")).state == JobState.RUNNING
+    await store.settle_job("u", "f1", SettleQuery("c", "fork", ("src", 1)), decide)
+    assert seen == [(["r1"], False, '{"b": 1}')]  # the source at turn 1, not its later turn 2
+    done = await store.get_job("u", "f1")
+    assert (done.state, done.receipt_json) == (JobState.DONE, receipt)
+    fork = await store.get_member("u", "c", "fork")
+    assert (fork.locator, fork.settled_turns) == (SavedLocator(id="L-fork"), 1)
+    assert (await store.wire_expectation("u", "c", "fork")).baseline_json == '{"b": 3}'
+    with pytest.raises(RuntimeError, match="already committed"):  # never commits twice
+        await store.settle_job("u", "f1", SettleQuery("c", "fork", ("src", 1)), decide)
+    # a member with a turn of its own reads no fork baseline; no member record: the records alone
+    await store.claim_job("f2", "u", "c", "fork", "d", "o")
+    await store.settle_job("u", "f2", SettleQuery("c", "fork", ("src", 1)), decider("f2", 2))
+    await store.claim_job("n1", "u", "c", "ghost", "d", "o")
+    await store.settle_job("u", "n1", SettleQuery("c", None), lambda view: (
+        seen.append(([r.record_id for r in view.records], view.expectation.conversational, view.fork_baseline))
+        or (_receipt("n1", "u", "c", "none"), None)))
+    assert seen[1:] == [([], True, None), ([], False, None)]
+
+
 async def test_the_proxy_services_handle_commits_without_its_own_flush_and_the_daemons_with(
         store: StoreContract, tmp_path) -> None:
     """The model proxy service's store (``sync_commits=False``): its wire records are committed

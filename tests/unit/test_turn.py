@@ -528,3 +528,41 @@ async def test_a_claim_that_cannot_reach_the_disk_fails_the_job_before_the_cli_s
 
 async def _append(out: list[Receipt], receipt: Any) -> None:
     out.append(await receipt)
+
+
+async def test_a_commit_judged_twice_counts_its_verdict_once(rig: Rig, monkeypatch) -> None:
+    """A store that retries the commit (PostgreSQL after a serialization failure) runs the
+    decision once per attempt; the verdict metric counts the one that stood."""
+    rig.script.turns = [settled(), settled()]
+    registry = rig.runner.model_path.verdict_metrics.registry
+    settle_job = rig.store.settle_job
+
+    async def retrying(user_id, job_id, query, decide):
+        decide(await rig.store.wire_settle_view(user_id, query.chat_id, query.member_id or "", job_id))  # rolled back
+        await settle_job(user_id, job_id, query, decide)
+
+    monkeypatch.setattr(rig.store, "settle_job", retrying)
+    first = await rig.run("one")
+    second = await rig.run("two")
+    histories = {r.wire.history for r in (first, second) if r.wire}
+    assert [registry.get_sample_value("cloud_agent_wire_verdicts_total", {"runtime": "codex", "history": h})
+            for h in histories] == [2.0]
+
+
+async def test_retiring_a_process_already_gone_is_not_a_warning(rig: Rig, monkeypatch) -> None:
+    from structlog.testing import capture_logs
+
+    from drivers.transport import TransportClosed
+
+    rig.script.turns = [settled()]
+    await rig.run()
+
+    async def gone(self: FakeSession, grace_s: float = 3.0) -> None:
+        # what a keeper link says when the sandbox was stopped under its process
+        raise TransportClosed("the keeper link ended at offset 17184 before the CLI's output did")
+
+    monkeypatch.setattr(FakeSession, "close", gone)
+    with capture_logs() as logs:
+        await rig.pool.retire(KEY, "test")
+    ends = [(e["event"], e["log_level"]) for e in logs if e["event"].startswith("resident.")]
+    assert ends[:2] == [("resident.already_gone", "info"), ("resident.retired", "info")]

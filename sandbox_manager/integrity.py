@@ -24,6 +24,7 @@ The follower (:meth:`IntegrityFacts.follow`) runs in the supervisor's task group
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,11 @@ HARMLESS = frozenset({"exec_create", "exec_start", "exec_die", "exec_detach", "a
 # the container's own start and stop, seen as container events)
 VOLUME_GONE = frozenset({"destroy", "create"})
 
+# the last destroys remembered by id, so that a check of one container is not spoiled by another's
+# removal (a host's other chats come and go, and its start-up probe's container goes as the
+# first chat's sandbox is created); a check that outlived more destroys than this is not kept
+RECENT_DESTROYS = 256
+
 
 @dataclass(frozen=True)
 class Facts:
@@ -63,6 +69,7 @@ class Token:
     connection: int
     generation: int
     container_generation: int
+    destroyed: int  # destroys seen when the check began
 
 
 class IntegrityFacts:
@@ -74,10 +81,11 @@ class IntegrityFacts:
         self._connection = 0  # 0 while no stream is connected
         self._generation = 0  # bumped by every invalidation of everything
         # per container: bumped by each of its events that drops facts (a check that began before
-        # it is not kept). A destroyed container's entry goes (its id never comes back); absent
-        # entries then read as -destroyed, so a token taken before any destroy no longer matches.
+        # it is not kept). A destroyed container's entry goes (its id never comes back) and its
+        # id joins the recent destroys, which a check that began before the destroy is held against.
         self._container_gen: dict[str, int] = {}
         self._destroyed = 0
+        self._recent: deque[str] = deque(maxlen=RECENT_DESTROYS)
         self.events_seen = 0
 
     @property
@@ -90,12 +98,13 @@ class IntegrityFacts:
         """Taken before a check; None while facts cannot be kept (no live stream)."""
         if not self._connection:
             return None
-        return Token(self._connection, self._generation, self._container_of(container_id))
+        return Token(self._connection, self._generation, self._container_gen.get(container_id, 0), self._destroyed)
 
     def put(self, token: Token | None, facts: Facts) -> None:
         cid = facts.container.id
-        if token is None or token != Token(self._connection, self._generation, self._container_of(cid)):
-            return  # something happened since the check began: keep nothing
+        if (token is None or (token.connection, token.generation) != (self._connection, self._generation)
+                or token.container_generation != self._container_gen.get(cid, 0) or self._destroyed_since(token, cid)):
+            return  # something happened to it since the check began: keep nothing
         self._facts[cid] = facts
 
     def get(self, container_id: str, data_root_id: str) -> Facts | None:
@@ -106,17 +115,24 @@ class IntegrityFacts:
             return None
         return facts
 
-    def _container_of(self, container_id: str) -> int:
-        return self._container_gen.get(container_id, -self._destroyed)
+    def _destroyed_since(self, token: Token, container_id: str) -> bool:
+        """The container was destroyed after ``token`` was taken (or too many were to tell)."""
+        since = self._destroyed - token.destroyed
+        if since == 0:
+            return False
+        if since > len(self._recent):
+            return True
+        return container_id in list(self._recent)[-since:]
 
     def forget(self, container_id: str) -> None:
-        self._container_gen[container_id] = max(self._container_of(container_id), 0) + 1
+        self._container_gen[container_id] = self._container_gen.get(container_id, 0) + 1
         self._facts.pop(container_id, None)
 
     def destroyed(self, container_id: str) -> None:
-        """The container is gone for good: nothing of it is kept, not even its counter."""
+        """The container is gone for good: nothing of it is kept but its id among the recent destroys."""
         self._container_gen.pop(container_id, None)
         self._facts.pop(container_id, None)
+        self._recent.append(container_id)
         self._destroyed += 1
 
     def forget_all(self) -> None:

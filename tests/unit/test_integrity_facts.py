@@ -186,6 +186,41 @@ async def test_a_destroyed_container_leaves_nothing_behind_and_no_check_of_it_is
     assert cache.get("c2", "root-1") is not None
 
 
+async def test_another_containers_destroy_during_a_check_keeps_its_facts(live) -> None:
+    """A host's other chats come and go (and its start-up probe's container goes while the first
+    chat's sandbox is created): their destroys do not spoil a check of this container."""
+    cache, engine = live
+    await checked(cache, "seen")
+    await engine.emit("container", "die", "seen")  # it has a counter; "c1" has none yet
+    fresh, seen = cache.token("c1"), cache.token("seen")
+    await engine.emit("container", "die", "probe")
+    await engine.emit("container", "destroy", "probe")
+    cache.put(fresh, facts("c1"))
+    cache.put(seen, facts("seen"))
+    assert cache.get("c1", "root-1") == facts("c1") and cache.get("seen", "root-1") == facts("seen")
+
+
+async def test_a_check_that_outlived_more_destroys_than_are_remembered_is_not_kept(live) -> None:
+    from sandbox_manager.integrity import RECENT_DESTROYS
+
+    cache, engine = live
+    token = cache.token("c1")
+    await destroys(engine, [f"other-{n}" for n in range(RECENT_DESTROYS)])
+    cache.put(token, facts("c1"))
+    assert cache.get("c1", "root-1") == facts("c1")  # all of them remembered: none was c1
+    token = cache.token("c2")
+    await destroys(engine, [f"more-{n}" for n in range(RECENT_DESTROYS + 1)])
+    cache.put(token, facts("c2"))
+    assert cache.get("c2", "root-1") is None  # which went is no longer known: kept nothing
+    assert len(cache._recent) == RECENT_DESTROYS
+
+
+async def destroys(engine: FakeEvents, ids: list[str]) -> None:
+    for cid in ids:
+        await engine.send.send({"Type": "container", "Action": "destroy", "Actor": {"ID": cid}})
+    await anyio.wait_all_tasks_blocked()
+
+
 async def test_a_stream_gap_drops_everything_and_reconnects(live) -> None:
     cache, engine = live
     await checked(cache)

@@ -50,7 +50,7 @@ from state.contract import StoreContract
 from state.jobs import Job
 from state.receipts import Outcome, Receipt, WireDifference, WireInfo
 from state.records import MemberRecord, SandboxState
-from state.wire_ledger import SettleQuery, WireExpectation, WireRecordRow, WireSettleView, WireTurnRow
+from state.wire_ledger import SettleQuery, WireRecordRow, WireSettleView, WireTurnRow
 
 log = structlog.get_logger("model_path")
 
@@ -257,7 +257,7 @@ class ModelPath:
         """The turn's wire verdict and the ledger row to commit with its receipt, read apart
         from the commit (a turn's own commit judges inside it: ``Store.settle_job``)."""
         await self.flush(receipt)
-        view = await self._read_view(receipt, member)
+        view = await self.store.wire_settle_view(receipt.user_id, receipt.job_id, self.settle_query(receipt, member))
         wire, row = self.judge(receipt, member, view, message=message, compaction=compaction,
                                settled_index=settled_index)
         self.count_verdict(receipt.runtime, wire)
@@ -312,18 +312,6 @@ class ModelPath:
 
     async def records(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecord]:
         return _records(await self.store.wire_records_of_job(user_id, chat_id, job_id))
-
-    async def _read_view(self, receipt: Receipt, member: MemberRecord | None) -> WireSettleView:
-        """:meth:`settle_query`'s view through the store's reads (outside a commit)."""
-        query = self.settle_query(receipt, member)
-        if query.member_id is None:
-            rows = await self.store.wire_records_of_job(receipt.user_id, receipt.chat_id, receipt.job_id)
-            return WireSettleView(rows, WireExpectation(False, None, []))
-        view = await self.store.wire_settle_view(receipt.user_id, receipt.chat_id, query.member_id, receipt.job_id)
-        if view.expectation.conversational or query.fork_source is None:
-            return view
-        at = await self.store.wire_baseline_at(receipt.user_id, receipt.chat_id, *query.fork_source)
-        return WireSettleView(view.records, view.expectation, at)
 
     async def purge_capture(self) -> int:
         before = datetime.now(UTC) - timedelta(days=self.settings.wire_capture_days)

@@ -62,9 +62,9 @@ def redact(url: str) -> str:
     return f"postgresql://{info.get('user', '')}@{info.get('host', '')}:{info.get('port', '')}/{info.get('dbname', '')}"
 
 
-
 async def _decided(receipt_json: str, member: MemberOutcome | None) -> tuple[str, MemberOutcome | None]:
     return receipt_json, member
+
 
 class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, PostgresKeepers):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout_s: float = 10.0,

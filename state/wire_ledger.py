@@ -201,12 +201,8 @@ class SQLiteWireLedger:
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
         return await self._run(lambda db: _sqlite_expectation(db, (user_id, chat_id, member_id)))
 
-    async def wire_settle_view(self, user_id: str, chat_id: str, member_id: str, job_id: str) -> WireSettleView:
-        def q(db: sqlite3.Connection) -> WireSettleView:
-            records = [_record(r) for r in db.execute(_RECORDS_OF_JOB, (user_id, chat_id, job_id))]
-            return WireSettleView(records, _sqlite_expectation(db, (user_id, chat_id, member_id)))
-
-        return await self._run(q)
+    async def wire_settle_view(self, user_id: str, job_id: str, query: SettleQuery) -> WireSettleView:
+        return await self._run(lambda db: sqlite_settle_view(db, user_id, job_id, query))
 
     async def wire_baseline_at(self, user_id: str, chat_id: str, member_id: str, settled_index: int) -> str | None:
         def q(db: sqlite3.Connection) -> str | None:
@@ -248,13 +244,8 @@ class PostgresWireLedger:
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
         return await self._tx(lambda conn: _postgres_expectation(conn, (user_id, chat_id, member_id)))
 
-    async def wire_settle_view(self, user_id: str, chat_id: str, member_id: str, job_id: str) -> WireSettleView:
-        async def q(conn: Any) -> WireSettleView:
-            cur = await conn.execute(_pg(_RECORDS_OF_JOB), (user_id, chat_id, job_id))
-            records = [_record(r) for r in await cur.fetchall()]
-            return WireSettleView(records, await _postgres_expectation(conn, (user_id, chat_id, member_id)))
-
-        return await self._tx(q)
+    async def wire_settle_view(self, user_id: str, job_id: str, query: SettleQuery) -> WireSettleView:
+        return await self._tx(lambda conn: postgres_settle_view(conn, user_id, job_id, query))
 
     async def wire_baseline_at(self, user_id: str, chat_id: str, member_id: str, settled_index: int) -> str | None:
         async def q(conn: Any) -> str | None:

@@ -737,12 +737,12 @@ async def test_the_wire_expectation_reads_what_every_turn_would_say(store: Store
     empty = await store.wire_expectation("u", "c", "another")
     assert (empty.conversational, empty.baseline_json, empty.failed_texts) == (False, None, [])
     # the settle view: the job's records and the same expectation, in one round trip
-    from state.wire_ledger import WireRecordRow
+    from state.wire_ledger import SettleQuery, WireRecordRow
 
     for n in range(3):
         await store.put_wire_record(WireRecordRow(f"r{n}", "u", "c", "m", "j059", f"000{n}", f'{{"n": {n}}}', None,
                                                   base.isoformat()))
-    view = await store.wire_settle_view("u", "c", "m", "j059")
+    view = await store.wire_settle_view("u", "j059", SettleQuery("c", "m"))
     assert view.expectation == await store.wire_expectation("u", "c", "m")
     assert view.records == await store.wire_records_of_job("u", "c", "j059")
     assert [r.record_json for r in view.records] == ['{"n": 0}', '{"n": 1}', '{"n": 2}']

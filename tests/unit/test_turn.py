@@ -538,7 +538,7 @@ async def test_a_commit_judged_twice_counts_its_verdict_once(rig: Rig, monkeypat
     settle_job = rig.store.settle_job
 
     async def retrying(user_id, job_id, query, decide):
-        decide(await rig.store.wire_settle_view(user_id, query.chat_id, query.member_id or "", job_id))  # rolled back
+        decide(await rig.store.wire_settle_view(user_id, job_id, query))  # rolled back
         await settle_job(user_id, job_id, query, decide)
 
     monkeypatch.setattr(rig.store, "settle_job", retrying)

@@ -27,6 +27,16 @@ class DigestEntry(BaseModel):
     role: Literal["user", "assistant"]
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
+    # A verdict compares a request's whole history entry by entry, on the commit's path:
+    # the two fields directly, not pydantic's generic field-by-field __eq__ (about 2 µs each)
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DigestEntry):
+            return self.sha256 == other.sha256 and self.role == other.role
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.role, self.sha256))
+
     @classmethod
     def of(cls, message: TextMessage) -> DigestEntry:
         return cls(role=message.role, sha256=message.sha256)

@@ -257,7 +257,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         await kbare.turn("keeper warm up live")
     # ---- LIVE, alternating daemon / bare so machine noise hits both alike
     live_d, live_b, live_k, first_ev, phase_rows = [], [], [], [], []
-    cpu_live: dict[str, dict[str, float]] = {"d": {}, "b": {}}  # CPU per arm, one turn at a time
+    cpu_live: dict[str, dict[str, float]] = {"d": {}, "b": {}, "k": {}}  # CPU per arm, one turn at a time
 
     def count_cpu(arm: str, before: dict[str, float]) -> None:
         for k, v in cpu_by_process().items():
@@ -284,26 +284,35 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         live_b.append((time.perf_counter_ns() - t) / 1e6)
         count_cpu("b", cpu0)
         if kbare is not None:
+            cpu0 = cpu_by_process()
             t = time.perf_counter_ns()
             await kbare.turn(f"keeper live {i}")
             live_k.append((time.perf_counter_ns() - t) / 1e6)
+            count_cpu("k", cpu0)
     out["load"]["live"] = load()
     if kbare is not None:
         await kbare.close()
         k, b, dd = statistics.median(live_k), statistics.median(live_b), statistics.median(live_d)
         print(f"{runtime}: LIVE p50 daemon {dd:.1f} ms, bare under a keeper {k:.1f} ms, bare exec {b:.1f} ms: "
               f"the keeper hop {k - b:+.1f} ms, the rest of the supervisor {dd - k:+.1f} ms", flush=True)
+        ck, cb = cpu_live["k"], cpu_live["b"]
+        print(f"{runtime}: CPU ms per LIVE turn, bare under a keeper | bare exec", flush=True)
+        for name in sorted((x for x in set(ck) | set(cb) if max(ck.get(x, 0.0), cb.get(x, 0.0)) >= 0.5),
+                           key=lambda x: -ck.get(x, 0.0)):
+            print(f"  {name:36} {ck.get(name, 0.0):8.1f} {cb.get(name, 0.0):8.1f}", flush=True)
     out["live_d"], out["live_b"], out["first"], out["phases"] = live_d, live_b, first_ev, phase_rows
     out["cpu_live_d"], out["cpu_live_b"] = cpu_live["d"], cpu_live["b"]
     # ---- RESTORED after a stop
-    rest_d, rest_b = [], []
+    rest_d, rest_b, rest_phases = [], [], []
     cid = sb.container_id
     for i in range(3):
         await bare.close()
         await d.client.post(f"/v1/users/{user}/chats/{chat}/stop")
-        ms, r, _, _ = await timed_job(d, job(f"restored {i}"))
+        ms, r, _, t0 = await timed_job(d, job(f"restored {i}"))
         assert r and r["context_status"] == "RESTORED" and r["outcome"] == "succeeded", r
         rest_d.append(ms)
+        if (trace := traces.get(r["job_id"])) is not None:
+            rest_phases.append(phase_row(trace, t0, ms))
         # bare: the same stop, then start + gate + exec + resume + turn with nothing in between
         await sup.pool.retire((user, chat, "m1"), "bench")
         await sup.manager.engine.stop(cid)
@@ -316,7 +325,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         rest_b.append((time.perf_counter_ns() - t) / 1e6)
     await bare.close()
     out["load"]["restored"] = load()
-    out["rest_d"], out["rest_b"] = rest_d, rest_b
+    out["rest_d"], out["rest_b"], out["rest_phases"] = rest_d, rest_b, rest_phases
     # ---- throughput: chats × rounds LIVE turns, daemon vs bare, concurrently
     conc = [f"{runtime}-c{i}-{uuid.uuid4().hex[:4]}" for i in range(chats)]
     failures: list[str] = []
@@ -528,6 +537,16 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
     for name in phases:
         print(f"{name:22}" + "".join(cell(r["phases"], name, 50, 10) + cell(r.get("tp_phases", []), name, 50, 11)
                                      + cell(r.get("tp_phases", []), name, 90, 8) for r in results.values()))
+    if any(r.get("rest_phases") for r in results.values()):
+        # where a RESTORED turn's time goes (its bare arm: engine start, gate, exec, resume, turn)
+        print("\nRESTORED turn per-phase breakdown after a stop (median ms since the previous mark)")
+        names: list[str] = []
+        for r in results.values():
+            for trace_row in r.get("rest_phases", []):
+                names += [name for name, _ in trace_row if name not in names]
+        print(f"{'phase':22}" + "".join(f"{rt:>10}" for rt in results))
+        for name in names:
+            print(f"{name:22}" + "".join(cell(r.get("rest_phases", []), name, 50, 10) for r in results.values()))
     for rt, r in results.items():
         if r.get("cpu_live_d") and r.get("cpu_live_b"):
             print(f"{rt}: CPU ms per LIVE turn, one at a time, by process (daemon arm | bare arm)")

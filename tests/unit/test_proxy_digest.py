@@ -211,3 +211,13 @@ def test_any_bytes_give_a_digest_or_a_digest_error(raw: bytes, encoding: str | N
     for api in ("anthropic", "responses", "chat"):
         digest_of(text_messages(body, api))
         classify(body, api)
+
+
+def test_digest_entries_are_equal_exactly_when_role_and_digest_are() -> None:
+    a = DigestEntry.text("user", "same text")
+    assert a == DigestEntry(role="user", sha256=sha("same text"))
+    assert a != DigestEntry.text("assistant", "same text")  # the role counts
+    assert a != DigestEntry.text("user", "other text")
+    assert a != ("user", sha("same text"))  # only another entry compares equal
+    assert len({a, DigestEntry.text("user", "same text"), DigestEntry.text("assistant", "same text")}) == 2
+    assert [a, DigestEntry.text("assistant", "x")] == [DigestEntry.text("user", "same text"), DigestEntry.text("assistant", "x")]

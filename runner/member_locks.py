@@ -5,6 +5,12 @@ grows with every chat the host ever served; here an entry is created by its firs
 and removed by its last, so the map's size is the number of members with work in flight.
 A key present in the map is exactly a member whose lock is held or awaited: that is what
 "busy" means to the idle stop, the sandbox limit and the memory budget.
+
+A :class:`Sighting` lets a read of a member's state taken before its lock stand for a read
+under it (issue 16: the job's claim reads the member in its own transaction, one store round
+trip fewer per turn). Every writer of a member's state in this daemon holds the member's lock
+(turns, forks, chat deletion, recovery), so a read that began after the last release of the
+lock is as fresh as one taken after acquiring it; a release after the sighting spoils it.
 """
 
 from __future__ import annotations
@@ -24,9 +30,37 @@ class _Entry:
     users: int = 0
 
 
+@dataclass(eq=False)
+class Sighting:
+    """Taken before a read of ``key``'s state outside its lock; ``spoiled`` once any holder of
+    the member's lock released it since (the read may predate that holder's writes)."""
+
+    key: MemberKey
+    spoiled: bool = False
+
+
 class MemberLocks:
     def __init__(self) -> None:
         self._entries: dict[MemberKey, _Entry] = {}
+        self._sightings: dict[MemberKey, list[Sighting]] = {}
+
+    def sight(self, key: MemberKey) -> Sighting:
+        """Before reading the member's state outside its lock; :meth:`unsight` when done."""
+        sighting = Sighting(key)
+        self._sightings.setdefault(key, []).append(sighting)
+        return sighting
+
+    def unsight(self, sighting: Sighting) -> None:
+        """Idempotent; the sighting keeps its verdict."""
+        left = self._sightings.get(sighting.key)
+        if left is not None and sighting in left:
+            left.remove(sighting)
+            if not left:
+                del self._sightings[sighting.key]
+
+    def _released(self, key: MemberKey) -> None:
+        for sighting in self._sightings.get(key, ()):
+            sighting.spoiled = True
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -55,7 +89,10 @@ class MemberLocks:
         entry.users += 1
         try:
             async with entry.lock:
-                yield
+                try:
+                    yield
+                finally:
+                    self._released(key)
         finally:
             entry.users -= 1
             if entry.users == 0:
@@ -74,6 +111,7 @@ class MemberLocks:
             try:
                 yield
             finally:
+                self._released(key)
                 entry.lock.release()
                 entry.users -= 1
                 if entry.users == 0:

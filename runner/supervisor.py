@@ -37,7 +37,7 @@ from runner.forks import Forker
 from runner.housekeeping import Heartbeat, Housekeeping
 from runner.job_stream import JobStream
 from runner.launch_slots import LaunchSlots, default_slots
-from runner.member_locks import MemberLocks
+from runner.member_locks import MemberLocks, Sighting
 from runner.metrics import Metrics
 from runner.model_path import ModelPath
 from runner.keepers import Keepers
@@ -48,13 +48,13 @@ from runner.residents import ResidentPool
 from runner.sweeps import Sweeps
 from runner.hooks import TestHooks
 from runner.turn import TurnRunner
-from runner.turn_context import Detached
+from runner.turn_context import Detached, KnownMember
 from sandbox_manager.engine import DockerEngine, Engine
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sandboxes import SandboxManager
 from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job
 from state.receipts import Receipt
-from state.records import SandboxState
+from state.records import MemberRecord, SandboxState
 from state.backends import open_store
 from state.contract import Fenced, StoreContract, StoreUnavailable
 from telemetry import turn_trace
@@ -80,6 +80,9 @@ class _Job:
     receipt: Receipt | None = None
     # made at submit, entered when the job runs: a chat deletion may cancel it even before
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    # the member as the claim read it, and whether that read still stands under the member's lock
+    claimed_member: MemberRecord | None = None
+    sighting: Sighting | None = None
 
 
 def driver_options(settings: Settings, pins: Pins | None = None) -> DriverOptions:
@@ -197,19 +200,24 @@ class Supervisor:
             log.info("job.host_busy", job_id=job.job_id, waited_ms=busy.waited_ms, position=busy.position)
             return Submission("busy", busy=busy)
         mark("admitted")
+        # the claim reads the member too: under the member's lock the turn takes that read when
+        # no turn (or fork, or deletion) of the member ended since (runner.member_locks)
+        sighting = self.locks.sight((job.user_id, job.chat_id, job.member_id))
         try:
             # flushed beside the turn's preparation, before the CLI's input (runner.claim_on_disk)
             claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(),
-                                               self.owner, sync=False)
+                                               self.owner, sync=False, read_member=True)
         except BaseException:
+            self.locks.unsight(sighting)
             self.capacity.release(grant)
             raise
         mark("claimed")
         if claim.kind != "claimed":
+            self.locks.unsight(sighting)
             self.capacity.release(grant)  # dispatched twice while queued: the first one won
             assert claim.job is not None
             return _repeat(claim.kind == "conflict", claim.job.receipt_json)
-        entry = _Job(job=job, stream=stream, grant=grant)
+        entry = _Job(job=job, stream=stream, grant=grant, claimed_member=claim.member, sighting=sighting)
         self._jobs[(job.user_id, job.job_id)] = entry
         self._tg.start_soon(self._run_job, entry)
         return Submission("started", events=stream)
@@ -251,6 +259,8 @@ class Supervisor:
             log.exception("job.crashed", job_id=job.job_id, error=repr(exc))
             last = {"type": "error", "error": "internal_error", "detail": type(exc).__name__}
         finally:
+            if entry.sighting is not None:
+                self.locks.unsight(entry.sighting)  # a job cancelled before it took the lock
             self.capacity.release(entry.grant)
             self.memory.notify()  # its resident is idle now: a waiting launch may retire it
             entry.done.set()
@@ -266,7 +276,16 @@ class Supervisor:
         mark("room_made")
         async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
             mark("locked")
-            return await self.runner.execute(job, entry.stream.emit, claim_on_disk=on_disk.wait)
+            return await self.runner.execute(job, entry.stream.emit, claim_on_disk=on_disk.wait,
+                                             member=self._claimed_member(entry))
+
+    def _claimed_member(self, entry: _Job) -> KnownMember | None:
+        """Under the member's lock: the claim's read of the member, unless it may be stale."""
+        sighting, entry.sighting = entry.sighting, None
+        if sighting is None:
+            return None
+        self.locks.unsight(sighting)
+        return None if sighting.spoiled else KnownMember(entry.claimed_member)
 
     async def _close_cancelled(self, job: Job) -> Receipt:
         """A job its chat's deletion cancelled: the receipt the turn committed as it was

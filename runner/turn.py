@@ -43,6 +43,7 @@ from runner.turn_commit import commit_turn
 from runner.turn_context import (
     Detached,
     Emit,
+    KnownMember,
     LaunchGate,
     TurnGate,
     NotStarted,
@@ -131,9 +132,11 @@ class TurnRunner:
     # -- the state machine ---------------------------------------------------------------------------
 
     async def execute(self, job: Job, emit: Emit, *,
-                      claim_on_disk: Callable[[], Awaitable[None]] | None = None) -> Receipt:
+                      claim_on_disk: Callable[[], Awaitable[None]] | None = None,
+                      member: KnownMember | None = None) -> Receipt:
         """``claim_on_disk``: returns once the job's claim is flushed; the CLI gets the message
-        only after it (the claim was committed with ``sync=False``: runner.claim_on_disk)."""
+        only after it (the claim was committed with ``sync=False``: runner.claim_on_disk).
+        ``member``: the member's record, known current (else it is read here)."""
         begun = anyio.Event()
         ctx = TurnContext(job=job, emit=emit, claim_on_disk=claim_on_disk, proxy_begun=begun.wait)
         key = (job.user_id, job.chat_id, job.member_id)
@@ -148,7 +151,7 @@ class TurnRunner:
         try:
             # the proxy learns the member's requests belong to this job beside the member read
             # and the sandbox's checks; the CLI's input waits for it (``proxy_begun``)
-            return await alongside(begin, lambda: self._read_and_execute(ctx, key))
+            return await alongside(begin, lambda: self._read_and_execute(ctx, key, member))
         except BaseException:
             left = self.detaching
             raise
@@ -157,8 +160,9 @@ class TurnRunner:
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)  # a replacement by another member may go on
 
-    async def _read_and_execute(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
-        ctx.member = await self.store.get_member(*key)
+    async def _read_and_execute(self, ctx: TurnContext, key: tuple[str, str, str],
+                                known: KnownMember | None) -> Receipt:
+        ctx.member = known.record if known is not None else await self.store.get_member(*key)
         mark("member_read")
         return await self._execute(ctx, key)
 

@@ -25,6 +25,14 @@ LaunchGate = Callable[[tuple[str, str, str], str], AbstractAsyncContextManager[N
 TurnGate = Callable[[tuple[str, str, str], str], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class KnownMember:
+    """The member's record read before the turn took the member's lock, still current under it
+    (runner.member_locks.Sighting); ``record`` None: the member has none yet."""
+
+    record: MemberRecord | None
+
+
 def to_locator(saved: SavedLocator | None) -> Locator | None:
     return None if saved is None else Locator(id=saved.id, path=saved.path)
 

@@ -77,6 +77,9 @@ class MemberOutcome:
 class Claim:
     kind: Literal["claimed", "done", "running", "conflict"]
     job: JobRecord | None = None
+    # ``read_member``: the job's member as the claim's transaction saw it (None: no record yet);
+    # a "claimed" job's only
+    member: MemberRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ class StoreContract(Protocol):
 
     # jobs
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str, *, sync: bool = True) -> Claim: ...
+                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False) -> Claim: ...
     async def get_job(self, user_id: str, job_id: str) -> JobRecord | None: ...
     async def finish_job(self, user_id: str, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None: ...
     # finish_job, its receipt decided in the same transaction from the ledger view of its verdict

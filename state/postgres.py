@@ -295,7 +295,7 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
         return Claim("done" if job.state == JobState.DONE else "running", job)
 
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str, *, sync: bool = True) -> Claim:
+                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False) -> Claim:
         lease = self._lease  # ``sync`` aside: every commit of the daemon's store is synced
 
         async def q(conn: Conn) -> Claim:
@@ -311,7 +311,8 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
                 (job_id, user_id, chat_id, member_id, body_digest, JobState.RUNNING.value, owner, now().isoformat(),
                  lease.host_id if lease else None, lease.epoch if lease else None))
             if row is not None:
-                return Claim("claimed", JobRecord(**row))
+                member = await self._one(conn, self._MEMBER, (user_id, chat_id, member_id)) if read_member else None
+                return Claim("claimed", JobRecord(**row), _SQLiteRows._member(member) if member else None)
             # a concurrent claim committed first (ON CONFLICT waited for it): its row is visible now
             row = await self._one(conn, self._JOB, (user_id, job_id))
             assert row is not None

@@ -286,12 +286,14 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         return JobRecord(**dict(row))
 
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str, *, sync: bool = True) -> Claim:
+                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False) -> Claim:
         """The job fence: the first claim wins; every later one sees the first one's state.
 
         Job ids are scoped by user: the same id from another user is a different job.
         ``sync=False``: the claim fences at once but reaches the disk with :meth:`sync`, which
         the caller awaits before anything the claim fences happens (the CLI's input).
+        ``read_member``: a job claimed here comes with its member's record, read in the same
+        transaction (:attr:`Claim.member`).
         """
 
         lease = self._lease
@@ -311,7 +313,12 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                  lease.host_id if lease else None, lease.epoch if lease else None),
             )
             row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
-            return Claim("claimed", self._job(row))
+            member = None
+            if read_member:
+                m = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
+                               (user_id, chat_id, member_id)).fetchone()
+                member = self._member(m) if m else None
+            return Claim("claimed", self._job(row), member)
 
         return await self._run(lambda db: self._tx(db, q, sync=sync))
 

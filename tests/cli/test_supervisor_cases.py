@@ -150,6 +150,49 @@ async def test_duplicate_job_ids_sequential_and_concurrent(fx, tmp_path, sandbox
         assert len(jobs) == 1 and jobs[0]["state"] == "done"
 
 
+async def test_a_job_queued_behind_its_members_turn_reads_what_that_turn_committed(fx, tmp_path,
+                                                                                    sandbox_image) -> None:
+    """The claim reads the member in its own transaction (issue 16). A job claimed while
+    another turn of its member runs must not keep that read: under the member's lock it reads
+    the member again, so its turn is numbered after the one it waited for, and the model sees
+    the whole history in order."""
+    async with running_daemon(daemon_settings(tmp_path / "home", fx.base_url, sandbox_image)) as d:
+        store = d.daemon.supervisor.store
+        chat = Chat(RUNTIME)
+        chat.expect_turn("first question")
+        first, _, _ = await d.run(chat.job("first question"))
+        assert (first["context_status"], first["outcome"]) == ("NEW", "succeeded")
+        held, queued = chat.job("hold this turn"), chat.job("queued behind it")
+        chat.expect_turn("hold this turn")
+        chat.expect_turn("queued behind it")
+        fx.add_rule(stall(600, match="hold this turn", times=1, id="hold"))
+        receipts: dict[str, dict] = {}
+
+        async def run(name: str, job: dict) -> None:
+            receipts[name] = (await d.run(job))[0]
+
+        def claimed(job_id: str) -> bool:
+            return any(r["job_id"] == job_id and r["state"] == "running" for r in rows(store, "jobs"))
+
+        mark = high_water(fx)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "held", held)
+            await anyio.to_thread.run_sync(lambda: fx.wait_for(
+                lambda rs: any("hold this turn" in json.dumps(r.body) for r in rs), timeout=120))
+            tg.start_soon(run, "queued", queued)
+            with anyio.fail_after(60):
+                while not claimed(queued["job_id"]):  # claimed (and its member read) while "held" runs
+                    await anyio.sleep(0.02)
+            fx.release_stalls()
+        assert [(receipts[k]["context_status"], receipts[k]["outcome"]) for k in ("held", "queued")] == [
+            ("LIVE", "succeeded"), ("LIVE", "succeeded")]
+        turns = sorted((r["settled_index"], r["job_id"]) for r in rows(store, "wire_turns")
+                       if r["user_id"] == chat.user_id)
+        assert turns == [(1, first["job_id"]), (2, held["job_id"]), (3, queued["job_id"])]
+        assert receipts["queued"]["wire"]["history"] == "complete"
+        assert_model_saw(fx, mark, chat)
+
+
 async def test_kill_9_mid_turn_leaves_whole_turn_or_none(fx, tmp_path, sandbox_image, docker_client) -> None:
     home = tmp_path / "home"
     chat = Chat(RUNTIME)

@@ -100,6 +100,23 @@ async def test_a_claim_made_without_sync_fences_at_once_and_sync_returns(store: 
     assert [(r["job_id"], r["owner"], r["state"]) for r in rows(store, "jobs")] == [("j1", "owner-1", "running")]
 
 
+async def test_a_claim_reads_its_member_in_the_same_transaction(store: StoreContract) -> None:
+    """``read_member``: the member as the claim saw it (None before its first turn); a repeat
+    or a conflict reads none, and without the flag nothing is read."""
+    first = await store.claim_job("j0", "u", "c", "m", "d", "o", read_member=True)
+    assert (first.kind, first.member) == ("claimed", None)
+    await store.ensure_member("u", "c", "m", "codex")
+    await store.finish_job("u", "j0", '{"n": 0}', verified("L0"))
+    claim = await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False, read_member=True)
+    assert claim.kind == "claimed" and claim.member is not None
+    assert (claim.member.member_id, claim.member.runtime, claim.member.locator, claim.member.settled_turns) == (
+        "m", "codex", SavedLocator(id="L0"), 1)
+    assert claim.member == await store.get_member("u", "c", "m")
+    assert (await store.claim_job("j1", "u", "c", "m", "d", "o", read_member=True)).member is None  # running
+    assert (await store.claim_job("j1", "u", "c", "m", "x", "o", read_member=True)).member is None  # conflict
+    assert (await store.claim_job("j2", "u", "c", "m", "d", "o")).member is None  # not asked
+
+
 async def test_many_concurrent_claims_of_one_job_admit_exactly_one(store: StoreContract, tmp_path) -> None:
     handles = [store] + [await second_handle(store, tmp_path) for _ in range(3)]  # four "hosts"
     kinds: list[str] = []

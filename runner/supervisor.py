@@ -76,13 +76,13 @@ class _Job:
     job: Job
     stream: JobStream
     grant: Grant
+    # the member as the claim read it, and whether that read still stands under the member's lock
+    claimed_member: MemberRecord | None
+    sighting: Sighting
     done: anyio.Event = field(default_factory=anyio.Event)
     receipt: Receipt | None = None
     # made at submit, entered when the job runs: a chat deletion may cancel it even before
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    # the member as the claim read it, and whether that read still stands under the member's lock
-    claimed_member: MemberRecord | None = None
-    sighting: Sighting | None = None
 
 
 def driver_options(settings: Settings, pins: Pins | None = None) -> DriverOptions:
@@ -259,8 +259,7 @@ class Supervisor:
             log.exception("job.crashed", job_id=job.job_id, error=repr(exc))
             last = {"type": "error", "error": "internal_error", "detail": type(exc).__name__}
         finally:
-            if entry.sighting is not None:
-                self.locks.unsight(entry.sighting)  # a job cancelled before it took the lock
+            self.locks.unsight(entry.sighting)  # idempotent: a job cancelled before it took the lock
             self.capacity.release(entry.grant)
             self.memory.notify()  # its resident is idle now: a waiting launch may retire it
             entry.done.set()
@@ -281,11 +280,8 @@ class Supervisor:
 
     def _claimed_member(self, entry: _Job) -> KnownMember | None:
         """Under the member's lock: the claim's read of the member, unless it may be stale."""
-        sighting, entry.sighting = entry.sighting, None
-        if sighting is None:
-            return None
-        self.locks.unsight(sighting)
-        return None if sighting.spoiled else KnownMember(entry.claimed_member)
+        self.locks.unsight(entry.sighting)
+        return None if entry.sighting.spoiled else KnownMember(entry.claimed_member)
 
     async def _close_cancelled(self, job: Job) -> Receipt:
         """A job its chat's deletion cancelled: the receipt the turn committed as it was

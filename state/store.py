@@ -211,13 +211,14 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         d["pending_fork"] = PendingFork.model_validate_json(d["pending_fork"]) if d.get("pending_fork") else None
         return MemberRecord(**d)
 
-    async def get_member(self, user_id: str, chat_id: str, member_id: str) -> MemberRecord | None:
-        def q(db: sqlite3.Connection) -> MemberRecord | None:
-            row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
-                             (user_id, chat_id, member_id)).fetchone()
-            return self._member(row) if row else None
+    @classmethod
+    def _member_at(cls, db: sqlite3.Connection, user_id: str, chat_id: str, member_id: str) -> MemberRecord | None:
+        row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
+                         (user_id, chat_id, member_id)).fetchone()
+        return cls._member(row) if row else None
 
-        return await self._run(q)
+    async def get_member(self, user_id: str, chat_id: str, member_id: str) -> MemberRecord | None:
+        return await self._run(lambda db: self._member_at(db, user_id, chat_id, member_id))
 
     async def list_members(self, user_id: str, chat_id: str) -> list[MemberRecord]:
         def q(db: sqlite3.Connection) -> list[MemberRecord]:
@@ -240,9 +241,9 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                 (user_id, chat_id, member_id, runtime, locator.id if locator else None,
                  locator.path if locator else None, settled_turns, forked_from, ts, ts),
             )
-            row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
-                             (user_id, chat_id, member_id)).fetchone()
-            return self._member(row)
+            member = self._member_at(db, user_id, chat_id, member_id)
+            assert member is not None  # inserted, or there already
+            return member
 
         return await self._run(lambda db: self._tx(db, q))
 
@@ -264,9 +265,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             )
             if cur.rowcount == 0:
                 return None
-            row = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
-                             (source.user_id, source.chat_id, member_id)).fetchone()
-            return self._member(row)
+            return self._member_at(db, source.user_id, source.chat_id, member_id)
 
         return await self._run(lambda db: self._tx(db, q))
 
@@ -313,11 +312,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                  lease.host_id if lease else None, lease.epoch if lease else None),
             )
             row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
-            member = None
-            if read_member:
-                m = db.execute("SELECT * FROM members WHERE user_id=? AND chat_id=? AND member_id=?",
-                               (user_id, chat_id, member_id)).fetchone()
-                member = self._member(m) if m else None
+            member = self._member_at(db, user_id, chat_id, member_id) if read_member else None
             return Claim("claimed", self._job(row), member)
 
         return await self._run(lambda db: self._tx(db, q, sync=sync))

@@ -37,6 +37,7 @@ from proxy import (
     placeholder_key,
     wire_verdict,
 )
+from runner.baseline_cache import BaselineCache
 from runner.config import LOOPBACK_KEY, Settings
 from runner.model_proxy import ModelProxy, ProxyOps
 from runner.proxy_client import ProxyServiceClient, ProxyServiceUnavailable
@@ -96,6 +97,7 @@ class ModelPath:
         self.in_daemon = settings.proxy_process == "daemon" or rewrite is not None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.verdict_metrics = VerdictMetrics(self.registry)  # SPEC 11: verdicts are the daemon's
+        self.baselines = BaselineCache()  # the members' last baselines, parsed (runner.baseline_cache)
         # the proxy's request counters: its own in the daemon, relayed from the service's process
         self.relay = None if self.in_daemon else ProxyMetricsRelay(self.registry)
         self._ops: ProxyOps | None = None
@@ -290,10 +292,11 @@ class ModelPath:
         """The verdict from the view; pure, for it runs on the store's thread inside the commit's
         transaction, once per attempt (:meth:`count_verdict` counts it once it stands)."""
         records, own = _records(view.records), view.expectation
+        key = (receipt.user_id, receipt.chat_id, receipt.member_id)
         baseline: Baseline | None = None
         failed: list[str] = []
         if member is not None and own.conversational:
-            baseline = Baseline.model_validate_json(own.baseline_json) if own.baseline_json else None
+            baseline = self.baselines.parsed(key, own.baseline_json) if own.baseline_json else None
             failed = own.failed_texts
         elif member is not None and member.forked_from is not None and view.fork_baseline is not None:
             baseline = Baseline.model_validate_json(view.fork_baseline)
@@ -304,9 +307,12 @@ class ModelPath:
         left = baseline_after(records, succeeded=succeeded)
         conversational = any(r.conversational and r.digest is not None for r in records)
         failed_text = message if receipt.outcome == Outcome.FAILED and conversational else None
+        left_json = left.model_dump_json() if left else None
+        if left is not None and left_json is not None:
+            self.baselines.keep(key, left_json, left)
         row = WireTurnRow(user_id=receipt.user_id, chat_id=receipt.chat_id, member_id=receipt.member_id,
                           job_id=receipt.job_id, settled_index=settled_index, outcome=receipt.outcome.value,
-                          conversational=conversational, baseline_json=left.model_dump_json() if left else None,
+                          conversational=conversational, baseline_json=left_json,
                           failed_text=failed_text, created_at=datetime.now(UTC).isoformat())
         return to_wire_info(verdict), row
 

@@ -97,6 +97,30 @@ async def test_turns_failures_and_a_summary(path: ModelPath) -> None:
     assert json.loads(records[0]["capture_json"]) == {"request": [{"role": "user", "text": "a"}], "reply": []}
 
 
+async def test_a_verdict_never_compares_with_a_baseline_that_was_not_committed(path: ModelPath) -> None:
+    """The daemon keeps each member's last baseline parsed (runner.baseline_cache). A turn
+    judged but never committed (its commit rolled back) leaves one kept that the store does not
+    hold: the next turn compares with the store's, the last committed turn's."""
+    await request(path, "m1", "j1", [("user", "a")], "ra")
+    assert (await settle(path, "m1", "j1", "a", Outcome.SUCCEEDED))["history"] == "new"
+    await request(path, "m1", "j2", [("user", "a"), ("assistant", "ra"), ("user", "b")], "rb")
+    now = datetime.now(UTC)
+    await path.store.claim_job("j2", U, C, "m1", "digest", "owner")
+    judged = Receipt(job_id="j2", user_id=U, chat_id=C, member_id="m1", runtime="codex", context_status=None,
+                     outcome=Outcome.SUCCEEDED, started_at=now, finished_at=now)
+    wire, _ = await path.settle(judged, await path.store.get_member(U, C, "m1"), message="b", compaction=False,
+                                settled_index=2)
+    assert wire.history == "complete"  # judged, and never committed
+    await request(path, "m1", "j3", [("user", "a"), ("assistant", "ra"), ("user", "c")], "rc")
+    wire3 = await settle(path, "m1", "j3", "c", Outcome.SUCCEEDED)
+    assert (wire3["history"], wire3["first_difference"]) == ("complete", None)
+    await request(path, "m1", "j4", [("user", "a"), ("assistant", "ra"), ("user", "d")], "rd")
+    wire4 = await settle(path, "m1", "j4", "d", Outcome.SUCCEEDED)  # j3's turn is dropped from the history
+    assert (wire4["history"], wire4["first_difference"]) == ("gap", {
+        "index": 2, "role": "user", "expected_digest": d("user", "c")["sha256"],
+        "observed_digest": d("user", "d")["sha256"]})
+
+
 async def test_a_fork_compares_with_its_source_at_the_fork_point(path: ModelPath) -> None:
     await request(path, "src", "s1", [("user", "a")], "ra")
     await settle(path, "src", "s1", "a", Outcome.SUCCEEDED)

@@ -78,7 +78,7 @@ class ResidentMemory:
     def _residents(self) -> list[Resident]:
         return self.pool.residents() + self.pool.retiring()
 
-    def _read_sync(self, residents: list[Resident]) -> dict[int, GroupMemory | None]:
+    def _read_sync(self, residents: list[Resident], pss: bool) -> dict[int, GroupMemory | None]:
         """Blocking: pgid (read once) and the reading of each resident, by id(resident)."""
         by_init: dict[int, list[Resident]] = {}
         for r in residents:
@@ -90,22 +90,25 @@ class ResidentMemory:
                 by_init.setdefault(r.host_init_pid, []).append(r)
         out: dict[int, GroupMemory | None] = {}
         for init_pid, group in by_init.items():
-            found = self.reader.measure(init_pid, {r.pgid for r in group if r.pgid is not None})
+            found = self.reader.measure(init_pid, {r.pgid for r in group if r.pgid is not None}, pss=pss)
             for r in group:
                 out[id(r)] = found.get(r.pgid) if r.pgid is not None else None
         return out
 
-    async def refresh(self) -> int:
-        """Read every resident's memory now; returns the bytes in use."""
+    async def refresh(self, *, pss: bool = False) -> int:
+        """Read every resident's memory now; returns the bytes in use. ``pss``: their PSS too,
+        for its gauge only (the budget counts RSS peaks). It is most of a reading's CPU, so the
+        periodic check reads it and the readings a launch or a turn waits for do not."""
         async with self._reading:
             residents = self._residents()
-            readings = await anyio.to_thread.run_sync(self._read_sync, residents)
+            readings = await anyio.to_thread.run_sync(self._read_sync, residents, pss)
             for r in residents:
                 mem = readings.get(id(r))
                 if mem is not None:
                     r.measured_bytes = mem.bytes
                     r.rss_bytes = mem.rss_bytes
-                    self._pss[id(r)] = mem.pss_bytes
+                    if pss:
+                        self._pss[id(r)] = mem.pss_bytes
                     self.policy.learn(r.runtime, mem.bytes)
             self.last_reading = time.monotonic()
             self._publish()
@@ -271,7 +274,7 @@ class ResidentMemory:
 
     async def check(self) -> int:
         """Growth of residents in turns: retire LRU idle ones until back under the budget."""
-        await self.refresh()
+        await self.refresh(pss=True)
         # Only residents that stay count here: launches in progress already made their room,
         # and a resident being retired is on its way out (counting either would retire a
         # second idle resident for a moment's overlap).

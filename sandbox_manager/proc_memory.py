@@ -113,8 +113,10 @@ class ProcMemory:
             pass
         return 0
 
-    def measure(self, init_pid: int, pgids: set[int]) -> dict[int, GroupMemory]:
-        """Memory of each named in-container process group (missing groups are left out)."""
+    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True) -> dict[int, GroupMemory]:
+        """Memory of each named in-container process group (missing groups are left out).
+        ``pss=False``: ``pss_bytes`` is 0, unread (``smaps_rollup`` walks every mapping of
+        every process: most of a reading's cost for Node CLIs)."""
         procs_file = self.cgroup_procs_file(init_pid)
         if procs_file is None:
             return {}
@@ -141,8 +143,8 @@ class ProcMemory:
                         todo.append(child)
             rss = sum(p.rss_bytes for p in members.values())
             hwm = sum(max(p.hwm_bytes, p.rss_bytes) for p in members.values())
-            pss = sum(self._pss(pid) for pid in members) if self.pss else 0
-            out[pgid] = GroupMemory(pgid=pgid, pids=len(members), rss_bytes=rss, pss_bytes=pss, hwm_bytes=hwm)
+            pss_bytes = sum(self._pss(pid) for pid in members) if self.pss and pss else 0
+            out[pgid] = GroupMemory(pgid=pgid, pids=len(members), rss_bytes=rss, pss_bytes=pss_bytes, hwm_bytes=hwm)
         return out
 
 

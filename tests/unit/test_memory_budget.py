@@ -125,12 +125,14 @@ class FakeReader:
 
     def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
+        self.pss_asked: list[bool] = []  # each measure's pss argument
 
     def read_pidfile(self, init_pid: int, path: str) -> int | None:
         return int(path.rsplit("/", 1)[1].split(".")[0])
 
-    def measure(self, init_pid: int, pgids: set[int]) -> dict[int, GroupMemory]:
-        return {p: GroupMemory(pgid=p, pids=1, rss_bytes=self.sizes[p] * MiB, pss_bytes=self.sizes[p] * MiB,
+    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True) -> dict[int, GroupMemory]:
+        self.pss_asked.append(pss)
+        return {p: GroupMemory(pgid=p, pids=1, rss_bytes=self.sizes[p] * MiB, pss_bytes=self.sizes[p] * MiB // 2 if pss else 0,
                             hwm_bytes=self.sizes[p] * MiB)
                 for p in pgids if p in self.sizes}
 
@@ -315,6 +317,29 @@ async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:
     assert sample(registry, "cloud_agent_resident_memory_used_bytes") == 490 * MiB
 
 
+async def test_only_the_periodic_check_reads_pss_and_its_gauge_keeps_the_last_reading() -> None:
+    """PSS (``smaps_rollup``) is most of a reading's CPU and only its gauge uses it: a launch's
+    reading, which the launch waits for, leaves it unread and the gauge as it was."""
+    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
+    registry = CollectorRegistry()
+    mem = ResidentMemory(2000 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
+                         reader=reader)  # type: ignore[arg-type]
+    resident(pool, reader, "a", 11, 100, last=1)
+    resident(pool, reader, "b", 12, 300, last=2)
+    assert await mem.check() == 0
+    assert reader.pss_asked == [True]
+    assert sample(registry, "cloud_agent_resident_memory_pss_bytes") == 200 * MiB  # the fake's PSS: half of RSS
+    reader.sizes[12] = 500
+    async with mem.launching(("u", "c", "c"), "codex"):
+        pass
+    assert reader.pss_asked == [True, False]
+    assert sample(registry, "cloud_agent_resident_memory_used_bytes") == 600 * MiB  # RSS read again
+    assert sample(registry, "cloud_agent_resident_memory_pss_bytes") == 200 * MiB  # PSS as last read
+    await mem.check()
+    assert reader.pss_asked == [True, False, True]
+    assert sample(registry, "cloud_agent_resident_memory_pss_bytes") == 300 * MiB
+
+
 # -- the turn gate ------------------------------------------------------------------------------
 
 
@@ -323,9 +348,9 @@ class CountingReader(FakeReader):
         super().__init__()
         self.reads = 0
 
-    def measure(self, init_pid: int, pgids: set[int]) -> dict[int, GroupMemory]:
+    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True) -> dict[int, GroupMemory]:
         self.reads += 1
-        return super().measure(init_pid, pgids)
+        return super().measure(init_pid, pgids, pss=pss)
 
 
 async def test_a_turn_that_fits_reads_nothing_and_one_that_does_not_retires_the_lru_idle_resident() -> None:

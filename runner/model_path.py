@@ -307,8 +307,9 @@ class ModelPath:
         left = baseline_after(records, succeeded=succeeded)
         conversational = any(r.conversational and r.digest is not None for r in records)
         failed_text = message if receipt.outcome == Outcome.FAILED and conversational else None
-        left_json = left.model_dump_json() if left else None
-        if left is not None and left_json is not None:
+        left_json = None
+        if left is not None:
+            left_json = left.model_dump_json()
             self.baselines.keep(key, left_json, left)
         row = WireTurnRow(user_id=receipt.user_id, chat_id=receipt.chat_id, member_id=receipt.member_id,
                           job_id=receipt.job_id, settled_index=settled_index, outcome=receipt.outcome.value,

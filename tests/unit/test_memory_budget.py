@@ -153,14 +153,21 @@ def resident(pool: ResidentPool, reader: FakeReader, name: str, pgid: int, mib: 
     return r
 
 
+def budget_rig(budget: int, *, reader: FakeReader | None = None, report_every_s: float = 30.0
+               ) -> tuple[ResidentPool, MemberLocks, Any, CollectorRegistry, ResidentMemory]:
+    """A memory budget over a pool whose residents the fake reader measures."""
+    pool, locks, registry = ResidentPool(grace_s=0.1), MemberLocks(), CollectorRegistry()
+    reader = reader if reader is not None else FakeReader()
+    mem = ResidentMemory(budget, pool=pool, locks=locks, registry=registry, refresh_s=60,
+                         report_every_s=report_every_s, reader=reader)  # type: ignore[arg-type]
+    return pool, locks, reader, registry, mem
+
+
 pytestmark = pytest.mark.anyio
 
 
 async def test_the_gate_retires_the_lru_idle_resident_and_waits_for_a_busy_one() -> None:
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    registry = CollectorRegistry()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, registry, mem = budget_rig(500 * MiB)
     resident(pool, reader, "a", 11, 150, last=1)
     resident(pool, reader, "b", 12, 150, last=2)
     resident(pool, reader, "c", 13, 150, last=3)
@@ -205,9 +212,7 @@ async def test_launches_make_room_in_arrival_order_so_a_large_one_is_not_starved
     """A Claude launch (300 MiB) waits first, a Codex launch (160) after it. When one 150 MiB
     turn ends, only the Codex launch would fit; it must not take the room ahead of Claude,
     which would then wait behind every smaller launch (the load run's overcommits)."""
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=CollectorRegistry(), refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, _, mem = budget_rig(500 * MiB)
     for name, pgid, last in (("b", 12, 2), ("c", 13, 3), ("d", 14, 4)):
         resident(pool, reader, name, pgid, 150, last=last)
     order: list[str] = []
@@ -254,10 +259,7 @@ async def test_a_launch_that_waits_long_never_goes_over_the_budget() -> None:
     """Every resident is in a long turn: the launch waits (reported, counted) as long as that
     takes and never goes ahead over the budget; it launches when a turn ends. (Until stop 22 it
     went ahead over the budget after a turn timeout: 3 and 5 times in the 48-chat load run.)"""
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    registry = CollectorRegistry()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
-                         report_every_s=0.05, reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, registry, mem = budget_rig(500 * MiB, report_every_s=0.05)
     for name, pgid, last in (("a", 11, 1), ("b", 12, 2), ("c", 13, 3)):
         resident(pool, reader, name, pgid, 150, last=last)
     ends = {name: anyio.Event() for name in "abc"}
@@ -300,10 +302,7 @@ async def test_a_launch_that_waits_long_never_goes_over_the_budget() -> None:
 
 
 async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    registry = CollectorRegistry()
-    mem = ResidentMemory(600 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, registry, mem = budget_rig(600 * MiB)
     resident(pool, reader, "a", 11, 100, last=1)
     resident(pool, reader, "b", 12, 100, last=2)
     resident(pool, reader, "c", 13, 200, last=3)
@@ -320,10 +319,7 @@ async def test_growth_in_a_turn_retires_idle_residents_at_the_check() -> None:
 async def test_only_the_periodic_check_reads_pss_and_its_gauge_keeps_the_last_reading() -> None:
     """PSS (``smaps_rollup``) is most of a reading's CPU and only its gauge uses it: a launch's
     reading, which the launch waits for, leaves it unread and the gauge as it was."""
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    registry = CollectorRegistry()
-    mem = ResidentMemory(2000 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, registry, mem = budget_rig(2000 * MiB)
     resident(pool, reader, "a", 11, 100, last=1)
     resident(pool, reader, "b", 12, 300, last=2)
     assert await mem.check() == 0
@@ -354,10 +350,7 @@ class CountingReader(FakeReader):
 
 
 async def test_a_turn_that_fits_reads_nothing_and_one_that_does_not_retires_the_lru_idle_resident() -> None:
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), CountingReader()
-    registry = CollectorRegistry()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, registry, mem = budget_rig(500 * MiB, reader=CountingReader())
     mem.policy.learn("codex", 300 * MiB)  # a codex turn was once seen at 300 MiB
     resident(pool, reader, "a", 11, 150, last=1)
     resident(pool, reader, "b", 12, 150, last=2)
@@ -376,10 +369,7 @@ async def test_a_turn_that_fits_reads_nothing_and_one_that_does_not_retires_the_
 
 def two_codex_residents() -> tuple[ResidentPool, MemberLocks, CollectorRegistry, ResidentMemory]:
     """A 500 MiB budget, codex learnt at 300 MiB, idle residents a (read at 150) then b (150)."""
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    registry = CollectorRegistry()
-    mem = ResidentMemory(500 * MiB, pool=pool, locks=locks, registry=registry, refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, registry, mem = budget_rig(500 * MiB)
     mem.policy.learn("codex", 300 * MiB)
     resident(pool, reader, "a", 11, 150, last=1)
     resident(pool, reader, "b", 12, 150, last=2)
@@ -417,9 +407,7 @@ async def test_turns_waiting_for_room_go_one_after_the_other_and_never_deadlock(
 
 
 async def test_a_turn_with_nothing_to_wait_for_goes_even_over_the_budget() -> None:
-    pool, locks, reader = ResidentPool(grace_s=0.1), MemberLocks(), FakeReader()
-    mem = ResidentMemory(200 * MiB, pool=pool, locks=locks, registry=CollectorRegistry(), refresh_s=60,
-                         reader=reader)  # type: ignore[arg-type]
+    pool, locks, reader, _, mem = budget_rig(200 * MiB)
     mem.policy.learn("codex", 300 * MiB)
     resident(pool, reader, "a", 11, 150, last=1)
     with anyio.fail_after(5):

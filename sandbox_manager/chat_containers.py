@@ -29,7 +29,7 @@ from sandbox_manager.identity import (
     digest,
 )
 from sandbox_manager.sandbox_config import SandboxConfig
-from sandbox_manager.sealing import MODEL_DIR, MODEL_GATE_COMMAND, unsealed, wait_gate
+from sandbox_manager.sealing import MODEL_DIR, MODEL_GATE_COMMAND, GateReport, unsealed, wait_gate
 from sandbox_manager.uses import ContainerUses
 from sandbox_manager.volumes import LABEL_VOLUME_ID, MARKER_PATH, marker_bytes, volume_labels, volume_name
 from state.records import SandboxRecord
@@ -82,8 +82,8 @@ class ChatContainers:
             raise ValueError("socket_root: the sandbox manager has no model socket directory configured")
         return Path(self.config.socket_root) / container_name(user_id, chat_id)
 
-    async def gate_ready(self, info: ContainerInfo, since: float) -> None:
-        await wait_gate(self.engine, info, since=since, timeout_s=self.config.gate_ready_timeout_s)
+    async def gate_ready(self, info: ContainerInfo, since: float) -> GateReport:
+        return await wait_gate(self.engine, info, since=since, timeout_s=self.config.gate_ready_timeout_s)
 
     async def checked_image(self, ref: str) -> ImageInfo:
         try:

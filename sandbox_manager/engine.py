@@ -118,7 +118,7 @@ class Engine(Protocol):
     async def exec_attached(self, container_id: str, argv: list[str], *, user: str = "agent",
                             env: dict[str, str] | None = None, workdir: str | None = None) -> ExecStream: ...
     async def exec_exit_code(self, exec_id: str) -> int | None: ...
-    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool: ...
+    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> str | None: ...
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None: ...
     def follow_events(self, filters: dict[str, list[str]]) -> Any: ...
     async def rename(self, container_id: str, name: str) -> None: ...
@@ -324,10 +324,10 @@ class DockerEngine:
         info = await self._call(lambda c: c.api.exec_inspect(exec_id))
         return None if info.get("Running") else info.get("ExitCode")
 
-    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool:
+    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> str | None:
         """Poll the container's own output (its command's, since ``since``, a Unix time) until a
-        line holds ``needle``; False after ``timeout_s``. A cancel scope bounds the wait; each
-        poll is one short engine call in a worker thread.
+        line holds ``needle``: that line, without its timestamp; None after ``timeout_s``. A
+        cancel scope bounds the wait; each poll is one short engine call in a worker thread.
 
         Polls come every ``LOG_POLL_S`` for the first ``LOG_POLL_FAST_S`` (a model gate reports
         within ~0.1 s of its start), then back off. Doubling from the first poll, as before,
@@ -339,12 +339,13 @@ class DockerEngine:
             while True:
                 out = await self._call(lambda c: c.api.logs(container_id, stdout=True, stderr=True,
                                                             since=int(since), timestamps=True, stream=False))
-                if any(_logged_after(line, since) for line in out.splitlines() if needle.encode() in line):
-                    return True
+                for line in out.splitlines():
+                    if needle.encode() in line and _logged_after(line, since):
+                        return line.split(b" ", 1)[-1].decode(errors="replace")
                 await anyio.sleep(delay)
                 if time.monotonic() - started > LOG_POLL_FAST_S:
                     delay = min(delay * 2, 0.2)
-        return False
+        return None
 
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None:
         data = _tar(files, dirs)

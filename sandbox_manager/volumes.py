@@ -9,8 +9,9 @@ checked like the container's, three ways, from cheapest to dearest:
 * the mount — the container mounts exactly the recorded volume at the agent's home (read
   from the container inspect the turn already makes);
 * the marker — a root-owned file in the volume naming the volume id and the chat identity,
-  written at creation and read through the archive API (no exec) whenever a container is
-  created or started on the volume, or first seen running by this daemon. Labels can be
+  written at creation and read whenever a container is created or started on the volume, or
+  first seen running by this daemon: through the archive API (no exec), or, for a container
+  started, from its model gate's listening line (the container's command reads it first). Labels can be
   copied onto a volume made elsewhere; the marker travels only with the volume's content,
   so another chat's content under this chat's name and labels is caught too.
 
@@ -101,11 +102,16 @@ def check_mount(rec: SandboxRecord, info: ContainerInfo) -> None:
 
 async def check_marker(engine: Engine, rec: SandboxRecord, container_id: str) -> None:
     """The volume's identity marker, read through a container on it (created, stopped or running)."""
-    assert rec.volume_id is not None
     try:
         raw: bytes | None = await engine.read_file(container_id, MARKER_PATH)
     except NotFound:
         raw = None
+    judge_marker(rec, raw)
+
+
+def judge_marker(rec: SandboxRecord, raw: bytes | None) -> None:
+    """SandboxLost unless ``raw`` (the marker's content, None: absent) is the recorded volume's."""
+    assert rec.volume_id is not None
     problem = marker_problem(raw, digest("sandbox", rec.user_id, rec.chat_id), rec.volume_id)
     if problem:
         raise SandboxLost(LostReason.VOLUME_MISMATCH, f"volume {rec.volume_name}: {problem}")

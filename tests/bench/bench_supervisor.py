@@ -1,7 +1,7 @@
 """Supervisor overhead for all five CLIs, measured side by side in one run (issue 16).
 
     uv run python tests/bench/bench_supervisor.py [N] [--runtimes claude,codex,pi,opencode,kilo]
-                                                  [--chats 16] [--rounds 3] [--keeper-arm]
+                                                  [--chats 16] [--rounds 3] [--restored 3] [--keeper-arm]
 
 One in-process daemon (uvicorn in this process), its API client in a process of its own
 (tests/bench/api_client.py, as a host's clients are; ``--client lean`` swaps httpx for the
@@ -12,8 +12,9 @@ daemon's loop as before), one loopback fixture, the pinned image. Per CLI:
    **bare** session: the same driver on its own attached exec in the same container, called
    directly (no API, admission, locks, integrity checks, store, receipt). The difference is
    the supervisor's whole per-turn overhead; p50 and p99 of the added milliseconds.
-2. RESTORED after a stop: daemon (stop route, then a job) ÷ bare (engine start, gate ready,
-   exec, resume handshake, turn).
+2. RESTORED after a stop (``--restored`` turns per arm, 3 by default): daemon (stop route,
+   then a job) ÷ bare (engine start, gate ready, exec, resume handshake, turn), and where each
+   arm's time goes.
 3. First event latency: the CLI's stdout line as the transport reads it → the API client's
    NDJSON line of the event it became (p50).
 4. Throughput: ``--chats`` chats × ``--rounds`` LIVE turns dispatched concurrently through the
@@ -183,6 +184,7 @@ class Bare:
             stream = self.keeper.channel
         else:
             stream = (await start_in_sandbox(self.sup.manager, sandbox, self.dirs, launch, name="bare")).stream
+        self.attached_ns = time.perf_counter_ns()  # the RESTORED breakdown's bare `attached`
         self.session = self.driver.session(exec_transport(stream), launch)
         await self.session.handshake()
 
@@ -232,7 +234,7 @@ def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
 
 
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
-                        traces: dict[str, Any], keeper_arm: bool = False) -> dict[str, Any]:
+                        traces: dict[str, Any], keeper_arm: bool = False, restored: int = 3) -> dict[str, Any]:
     sup = d.daemon.supervisor
     user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
 
@@ -303,9 +305,9 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     out["live_d"], out["live_b"], out["first"], out["phases"] = live_d, live_b, first_ev, phase_rows
     out["cpu_live_d"], out["cpu_live_b"] = cpu_live["d"], cpu_live["b"]
     # ---- RESTORED after a stop
-    rest_d, rest_b, rest_phases = [], [], []
+    rest_d, rest_b, rest_phases, rest_bare = [], [], [], []
     cid = sb.container_id
-    for i in range(3):
+    for i in range(restored):
         await bare.close()
         await d.client.post(f"/v1/users/{user}/chats/{chat}/stop")
         ms, r, _, t0 = await timed_job(d, job(f"restored {i}"))
@@ -319,13 +321,20 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         t = time.perf_counter_ns()
         since = time.time()
         await sup.manager.engine.start(cid)
+        t_started = time.perf_counter_ns()
         await sup.manager.gate_ready(await sup.manager.engine.inspect(cid), since)
+        t_gate = time.perf_counter_ns()
         await bare.start(sb, resume=bare.locator)  # the same container: its Sandbox still names it
+        t_ready = time.perf_counter_ns()
         await bare.turn(f"bare restored {i}")
-        rest_b.append((time.perf_counter_ns() - t) / 1e6)
+        t_end = time.perf_counter_ns()
+        rest_b.append((t_end - t) / 1e6)
+        rest_bare.append([("engine_start", (t_started - t) / 1e6), ("gate_ready", (t_gate - t_started) / 1e6),
+                          ("attached", (bare.attached_ns - t_gate) / 1e6),
+                          ("handshake", (t_ready - bare.attached_ns) / 1e6), ("turn", (t_end - t_ready) / 1e6)])
     await bare.close()
     out["load"]["restored"] = load()
-    out["rest_d"], out["rest_b"], out["rest_phases"] = rest_d, rest_b, rest_phases
+    out["rest_d"], out["rest_b"], out["rest_phases"], out["rest_bare"] = rest_d, rest_b, rest_phases, rest_bare
     # ---- throughput: chats × rounds LIVE turns, daemon vs bare, concurrently
     conc = [f"{runtime}-c{i}-{uuid.uuid4().hex[:4]}" for i in range(chats)]
     failures: list[str] = []
@@ -472,7 +481,7 @@ async def main(args: argparse.Namespace) -> None:
                 create_load = load()
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
-                                                           traces, keeper_arm=args.keeper_arm)
+                                                           traces, keeper_arm=args.keeper_arm, restored=args.restored)
                     # printed as each CLI finishes: a run cut short still leaves its figures
                     print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
                     print_phases({runtime: results[runtime]})
@@ -543,10 +552,15 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
         names: list[str] = []
         for r in results.values():
             for trace_row in r.get("rest_phases", []):
-                names += [name for name, _ in trace_row if name not in names]
+                for name, _ in trace_row:  # a phase marked more than once in a turn is one row
+                    if name not in names:
+                        names.append(name)
         print(f"{'phase':22}" + "".join(f"{rt:>10}" for rt in results))
         for name in names:
             print(f"{name:22}" + "".join(cell(r.get("rest_phases", []), name, 50, 10) for r in results.values()))
+        print("... and its bare arm's (median ms)")
+        for name in ("engine_start", "gate_ready", "attached", "handshake", "turn"):
+            print(f"{name:22}" + "".join(cell(r.get("rest_bare", []), name, 50, 10) for r in results.values()))
     for rt, r in results.items():
         if r.get("cpu_live_d") and r.get("cpu_live_b"):
             print(f"{rt}: CPU ms per LIVE turn, one at a time, by process (daemon arm | bare arm)")
@@ -572,6 +586,7 @@ if __name__ == "__main__":
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
     ap.add_argument("--chats", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--restored", type=int, default=3, help="RESTORED turns per arm (each a stop and a start)")
     ap.add_argument("--uvloop", action="store_true", help="run the daemon on uvloop (as `cloud-agent serve` does "
                     "when uvloop is installed: uvicorn's loop=auto)")
     ap.add_argument("--keeper-arm", action="store_true",

@@ -79,7 +79,7 @@ async def test_create_hardened_and_retained(manager: SandboxManager, docker_clie
         ("bind", str(manager.socket_dir(user, chat)), "/run/cloud-agent/model", False),
         ("volume", vol, "/home/agent", True)]
     assert attrs["Config"]["Cmd"] == ["ca-modelgate", "--socket", "/run/cloud-agent/model/model.sock",
-                                      "--listen", "127.0.0.1:18080"]
+                                      "--listen", "127.0.0.1:18080", "--marker", "/home/agent/.cloud-agent-volume"]
     rec = await manager.store.get_sandbox(user, chat)
     assert rec.volume_name == vol and len(rec.volume_id) == 32
     labels = docker_client.api.inspect_volume(vol)["Labels"]

@@ -8,6 +8,7 @@ may ignore; every call is logged in :attr:`FakeEngine.calls` so a test can prove
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +91,7 @@ class FakeEngine:
             if spec.home_volume not in self.volumes:  # the engine would make an unlabelled one
                 self.volumes[spec.home_volume] = VolumeInfo(name=spec.home_volume, labels={})
             mounts.append({"Type": "volume", "Name": spec.home_volume, "Destination": AGENT_HOME, "RW": True})
-        attrs = {"HostConfig": {"NetworkMode": "none"}, "Mounts": mounts}
+        attrs = {"HostConfig": {"NetworkMode": "none"}, "Mounts": mounts, "Config": {"Cmd": list(spec.command)}}
         info = ContainerInfo(id=uuid.uuid4().hex * 2, name=spec.name, status="created", image_id=IMAGE_ID,
                              labels=dict(spec.labels), attrs=attrs)
         self.containers[info.id] = info
@@ -132,10 +133,17 @@ class FakeEngine:
     async def exec_exit_code(self, exec_id: str) -> int | None:
         return None
 
-    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> bool:
-        self._get(container_id)
+    async def wait_log_line(self, container_id: str, needle: str, *, since: float, timeout_s: float) -> str | None:
+        info = self._get(container_id)
         self.calls.append("wait_log_line")
-        return True  # the fake container's command (ca-modelgate) reports listening at once
+        # the fake container's command (ca-modelgate) reports listening at once, with the
+        # volume's marker when started with --marker, as the real one does
+        said: dict[str, Any] = {"event": "modelgate.listening"}
+        cmd = info.attrs.get("Config", {}).get("Cmd") or []
+        if "--marker" in cmd:
+            raw = self.volume_files.get(self._home_volume(container_id) or "", {}).get(cmd[cmd.index("--marker") + 1])
+            said["marker"] = raw.decode() if raw is not None else None
+        return json.dumps(said)
 
     async def put_files(self, container_id: str, files: list[FileEntry], dirs: list[str]) -> None:
         self._get(container_id)
@@ -178,6 +186,7 @@ class FakeEngine:
         return [v for v in self.volumes.values() if v.labels.get(key) == value]
 
     async def read_file(self, container_id: str, path: str) -> bytes:
+        self.calls.append("read_file")
         volume = self._home_volume(container_id)
         try:
             return self.volume_files[volume or ""][path]

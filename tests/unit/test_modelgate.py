@@ -172,3 +172,35 @@ def test_listen_address_must_be_loopback(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(GATE), "--socket", str(tmp_path / "s"), "--listen", "0.0.0.0:18080"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "--listen must be a loopback address" in out.stderr
+
+
+def listening_line(tmp_path: Path, *extra: str) -> dict:
+    proc = subprocess.Popen([sys.executable, str(GATE), "--socket", str(tmp_path / "model.sock"),
+                             "--listen", f"127.0.0.1:{free_port()}", *extra], stderr=subprocess.PIPE, text=True)
+    try:
+        return json.loads(proc.stderr.readline())  # type: ignore[union-attr]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_listening_line_carries_the_marker_it_was_pointed_at(tmp_path: Path) -> None:
+    """The daemon checks a restarted sandbox's volume from this line (issue 16)."""
+    marker = tmp_path / "marker"
+    marker.write_text('{"identity": "abc", "volume_id": "0123"}\n')
+    said = listening_line(tmp_path, "--marker", str(marker))
+    assert (said["event"], said["marker"]) == ("modelgate.listening", '{"identity": "abc", "volume_id": "0123"}\n')
+    assert "marker_error" not in said
+
+
+def test_an_absent_marker_is_null_an_unreadable_one_says_why_and_no_flag_no_field(tmp_path: Path) -> None:
+    assert listening_line(tmp_path, "--marker", str(tmp_path / "absent"))["marker"] is None
+    said = listening_line(tmp_path, "--marker", str(tmp_path))  # a directory: read() fails
+    assert (said["marker"], said["marker_error"]) == (None, "IsADirectoryError")
+    assert "marker" not in listening_line(tmp_path)
+
+
+def test_a_long_marker_is_cut_at_its_bound(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    marker.write_text("x" * 10_000)
+    assert listening_line(tmp_path, "--marker", str(marker))["marker"] == "x" * 4096

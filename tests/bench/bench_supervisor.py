@@ -228,8 +228,15 @@ async def timed_job(d: Any, job: dict[str, Any]) -> tuple[float, dict[str, Any] 
 
 
 def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
-    """A traced job's phases: the request's way in, each mark's span, the receipt's way out."""
-    return ([("http_in", (trace.marks[0][1] - t0) / 1e6)] + trace.spans_ms()
+    """A traced job's phases: the request's way in, each mark's span, the receipt's way out.
+    A phase marked again in the same turn is numbered (``input_sent 2``: a handshake's second
+    request), so its median is not mixed with the first's."""
+    seen: Counter[str] = Counter()
+    spans = []
+    for name, span in trace.spans_ms():
+        seen[name] += 1
+        spans.append((name if seen[name] == 1 else f"{name} {seen[name]}", span))
+    return ([("http_in", (trace.marks[0][1] - t0) / 1e6)] + spans
             + [("client_got_receipt", ms - (trace.marks[-1][1] - t0) / 1e6)])
 
 

@@ -213,6 +213,46 @@ async def test_failed_precheck_is_the_same_launch_error_line_and_exit_code(paths
         await reap(client)
 
 
+async def test_a_header_mismatch_and_a_failed_exec_are_launch_errors_through_the_keeper(paths, tmp_path) -> None:
+    """ca-launch runs in a fork of the keeper's interpreter (issue 16): its header check (json
+    imported where it is used) and its exec failure say what they always said."""
+    transcript = tmp_path / "t.jsonl"
+    transcript.write_text('{"id": "other-session"}\n')
+    with anyio.fail_after(30):
+        ch, client = await start_local(paths, fake_cli_argv(),
+                                       launch_opts=["--require-header", str(transcript), "id", "wanted-session"])
+        assert json.loads(await ch.receive()) == {"type": "launch_error", "reason": "header_mismatch",
+                                                  "path": str(transcript), "key": "id", "expected": "wanted-session",
+                                                  "observed": "other-session"}
+        exit_ = await ch.wait_exit()
+        assert exit_ is not None and exit_.code == 3
+        await ch.ack()
+        await reap(client)
+    with anyio.fail_after(30):
+        ch, client = await start_local(paths, [str(tmp_path / "no-such-cli")])
+        assert json.loads(await ch.receive()) == {"type": "launch_error", "reason": "exec_failed",
+                                                  "command": str(tmp_path / "no-such-cli"),
+                                                  "detail": "No such file or directory"}
+        exit_ = await ch.wait_exit()
+        assert exit_ is not None and exit_.code == 3
+        await ch.ack()
+        await reap(client)
+
+
+async def test_the_cli_holds_only_its_own_stdio(paths) -> None:
+    """Started from a fork of the keeper, the CLI inherits none of the keeper's descriptors (its
+    listening socket, its log, the pipe to the starting exec): only its three pipes."""
+    listing = "import os; print(sorted(int(f) for f in os.listdir('/proc/self/fd')), flush=True)"
+    with anyio.fail_after(30):
+        ch, client = await start_local(paths, ["python3", "-I", "-S", "-c", listing])
+        # 3 is the directory listdir itself opened
+        assert json.loads(await ch.receive()) == [0, 1, 2, 3]
+        exit_ = await ch.wait_exit()
+        assert exit_ is not None and exit_.code == 0
+        await ch.ack()
+        await reap(client)
+
+
 async def test_reattach_supersedes_and_offsets_outside_the_log_are_refused(paths) -> None:
     with anyio.fail_after(30):
         first, c1 = await start_local(paths, fake_cli_argv())

@@ -204,3 +204,24 @@ def test_a_long_marker_is_cut_at_its_bound(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     marker.write_text("x" * 10_000)
     assert listening_line(tmp_path, "--marker", str(marker))["marker"] == "x" * 4096
+
+
+def test_the_line_is_json_whatever_the_marker_holds(tmp_path: Path) -> None:
+    """The line is written without json (its import came before the port listened): quotes,
+    backslashes, control characters and non-ASCII text still read back exactly."""
+    text = 'a "quoted" \\ back\tslash\x01 é 漢 🙂\n'
+    marker = tmp_path / "marker"
+    marker.write_text(text, encoding="utf-8")
+    said = listening_line(tmp_path, "--marker", str(marker), "--connect-timeout=5")
+    assert said == {"event": "modelgate.listening", "listen": said["listen"], "socket": str(tmp_path / "model.sock"),
+                    "marker": text}
+
+
+def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
+    for argv, message in ((["--listen", "127.0.0.1:1"], "the following arguments are required: --socket"),
+                          (["--socket", "s", "--bogus", "1"], "unrecognized argument '--bogus'"),
+                          (["--socket", "s", "--connect-timeout", "soon"], "argument --connect-timeout: invalid float value: 'soon'"),
+                          (["--socket", "s", "--listen", "127.0.0.1:http"], "argument --listen: bad port 'http'"),
+                          (["--socket"], "argument --socket: expected one argument")):
+        out = subprocess.run([sys.executable, str(GATE), *argv], capture_output=True, text=True, timeout=30)
+        assert (out.returncode, out.stderr.splitlines()[-1]) == (2, f"ca-modelgate: error: {message}"), argv

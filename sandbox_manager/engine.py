@@ -339,13 +339,13 @@ class DockerEngine:
             except Exception:  # noqa: BLE001 - closed under us, or the engine went away: the end
                 return None
 
-        pending = b""
+        pending, wanted = b"", needle.encode()
         try:
             with anyio.move_on_after(timeout_s):
                 while (chunk := await anyio.to_thread.run_sync(read_one, abandon_on_cancel=True)) is not None:
                     *lines, pending = (pending + chunk).split(b"\n")
                     for line in lines:
-                        if needle.encode() in line and _logged_after(line, since):
+                        if wanted in line and _logged_after(line, since):
                             return line.split(b" ", 1)[-1].decode(errors="replace")
             return None
         finally:

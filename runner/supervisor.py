@@ -55,6 +55,7 @@ from sandbox_manager.sandboxes import SandboxManager
 from state.jobs import CHAT_DELETED, ChatDeleted, ForkRequest, Job
 from state.receipts import Receipt
 from state.records import MemberRecord, SandboxState
+from state.sandbox_writes import SeenSandbox
 from state.backends import open_store
 from state.contract import Fenced, StoreContract, StoreUnavailable
 from telemetry import turn_trace
@@ -79,6 +80,7 @@ class _Job:
     # the member as the claim read it, and whether that read still stands under the member's lock
     claimed_member: MemberRecord | None
     sighting: Sighting
+    claimed_sandbox: SeenSandbox | None = None  # the chat's sandbox record as the claim read it
     done: anyio.Event = field(default_factory=anyio.Event)
     receipt: Receipt | None = None
     # made at submit, entered when the job runs: a chat deletion may cancel it even before
@@ -206,7 +208,7 @@ class Supervisor:
         try:
             # flushed beside the turn's preparation, before the CLI's input (runner.claim_on_disk)
             claim = await self.store.claim_job(job.job_id, job.user_id, job.chat_id, job.member_id, job.digest(),
-                                               self.owner, sync=False, read_member=True)
+                                               self.owner, sync=False, read_member=True, read_sandbox=True)
         except BaseException:
             self.locks.unsight(sighting)
             self.capacity.release(grant)
@@ -217,7 +219,8 @@ class Supervisor:
             self.capacity.release(grant)  # dispatched twice while queued: the first one won
             assert claim.job is not None
             return _repeat(claim.kind == "conflict", claim.job.receipt_json)
-        entry = _Job(job=job, stream=stream, grant=grant, claimed_member=claim.member, sighting=sighting)
+        entry = _Job(job=job, stream=stream, grant=grant, claimed_member=claim.member, sighting=sighting,
+                     claimed_sandbox=claim.sandbox)
         self._jobs[(job.user_id, job.job_id)] = entry
         self._tg.start_soon(self._run_job, entry)
         return Submission("started", events=stream)
@@ -276,7 +279,7 @@ class Supervisor:
         async with self.locks.hold((job.user_id, job.chat_id, job.member_id)):
             mark("locked")
             return await self.runner.execute(job, entry.stream.emit, claim_on_disk=on_disk.wait,
-                                             member=self._claimed_member(entry))
+                                             member=self._claimed_member(entry), sandbox=entry.claimed_sandbox)
 
     def _claimed_member(self, entry: _Job) -> KnownMember | None:
         """Under the member's lock: the claim's read of the member, unless it may be stale."""

@@ -68,6 +68,7 @@ from state.jobs import Job
 from state.keepers import KeeperRecord, KeeperTurn
 from state.receipts import ContextStatus, Outcome, Receipt, Timings
 from state.records import MemberRecord
+from state.sandbox_writes import SeenSandbox
 from state.store import Store
 from telemetry.turn_trace import mark
 
@@ -110,15 +111,17 @@ class TurnRunner:
         """The member's own base URL through its sandbox's model socket, and a placeholder key."""
         return await self.model_path.gateway(user_id, chat_id, member_id, self.models[runtime])
 
-    async def resolve_sandbox(self, user_id: str, chat_id: str, *, resident: bool = False) -> Sandbox:
+    async def resolve_sandbox(self, user_id: str, chat_id: str, *, resident: bool = False,
+                              seen: SeenSandbox | None = None) -> Sandbox:
         """The chat's sandbox with its model socket listening (opened first: the container's
         command connects to it as it starts). A lost sandbox's socket is closed again.
-        ``resident``: a live resident serves the turn (its checks may come from fresh facts)."""
+        ``resident``: a live resident serves the turn (its checks may come from fresh facts);
+        ``seen``: the record as the job's claim read it (taken while still current)."""
         await self.model_path.open(user_id, chat_id)
         mark("model_socket")
         try:
             return await self.manager.resolve(user_id, chat_id, resident=resident,
-                                              before_replace=self.retire_container)
+                                              before_replace=self.retire_container, seen=seen)
         except (SandboxLost, ImageRefused, ModelGateNotReady):
             await self.model_path.close(user_id, chat_id)
             raise
@@ -133,12 +136,14 @@ class TurnRunner:
 
     async def execute(self, job: Job, emit: Emit, *,
                       claim_on_disk: Callable[[], Awaitable[None]] | None = None,
-                      member: KnownMember | None = None) -> Receipt:
+                      member: KnownMember | None = None, sandbox: SeenSandbox | None = None) -> Receipt:
         """``claim_on_disk``: returns once the job's claim is flushed; the CLI gets the message
         only after it (the claim was committed with ``sync=False``: runner.claim_on_disk).
-        ``member``: the member's record, known current (else it is read here)."""
+        ``member``: the member's record, known current (else it is read here); ``sandbox``: the
+        chat's sandbox record as the claim read it (taken under the chat's lock if still current)."""
         begun = anyio.Event()
-        ctx = TurnContext(job=job, emit=emit, claim_on_disk=claim_on_disk, proxy_begun=begun.wait)
+        ctx = TurnContext(job=job, emit=emit, claim_on_disk=claim_on_disk, proxy_begun=begun.wait,
+                          seen_sandbox=sandbox)
         key = (job.user_id, job.chat_id, job.member_id)
 
         async def begin() -> None:
@@ -255,7 +260,8 @@ class TurnRunner:
         resident = self.pool.get(key)
         try:
             ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id,
-                                                     resident=resident is not None and resident.alive)
+                                                     resident=resident is not None and resident.alive,
+                                                     seen=ctx.seen_sandbox)
         except ModelGateNotReady as exc:
             ctx.timings.sandbox = ctx.ms_since(t)
             raise NotStarted("model_gate_not_ready", str(exc)) from None

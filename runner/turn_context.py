@@ -16,6 +16,7 @@ from sandbox_manager.sandbox import Sandbox
 from state.jobs import Job
 from state.receipts import ContextStatus, Outcome, Receipt, SandboxInfo, SettlementInfo, Timings, UpgradedFrom
 from state.records import MemberRecord, SandboxState, SavedLocator
+from state.sandbox_writes import SeenSandbox
 from state.store import Store
 from telemetry.turn_trace import mark
 
@@ -78,6 +79,7 @@ class TurnContext:
     timings: Timings = field(default_factory=Timings)
     status: ContextStatus | None = None
     sandbox: Sandbox | None = None
+    seen_sandbox: SeenSandbox | None = None  # the chat's sandbox record as the job's claim read it
     member: MemberRecord | None = None
     cli_version: str | None = None
     compacted: bool = False  # the driver saw the CLI's own compaction in this turn

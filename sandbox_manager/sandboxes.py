@@ -48,6 +48,7 @@ from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sealing import GateReport, ModelGateNotReady
 from sandbox_manager.volumes import check_marker, check_mount, check_volume, judge_marker, volume_name
 from state.records import SandboxRecord, SandboxState
+from state.sandbox_writes import SeenSandbox
 from state.store import Store, now
 from telemetry.turn_trace import mark
 
@@ -92,18 +93,22 @@ class SandboxManager(ChatContainers, MemberProcesses):
         return self._chat_locks.setdefault((user_id, chat_id), anyio.Lock())
 
     async def resolve(self, user_id: str, chat_id: str, *, create: bool = True, resident: bool = False,
-                      before_replace: BeforeReplace = _nothing_resident) -> Sandbox:
+                      before_replace: BeforeReplace = _nothing_resident, seen: SeenSandbox | None = None) -> Sandbox:
         """The chat's sandbox, running and integrity-checked, or SandboxLost.
 
         ``resident``: a live resident process of this chat serves the turn. Only then may the
         check be answered from facts the engine's event stream kept fresh (a turn that
         launches a process always checks against the engine).
 
+        ``seen``: the chat's record as the job's claim read it; taken under the chat's lock
+        instead of a read of its own when no write of the record can have landed since
+        (state.sandbox_writes).
+
         The caller holds a use of the returned container until its turn ends
         (:meth:`release`): a replacement by another member's turn waits for it.
         """
         async with self._chat_lock(user_id, chat_id):
-            sandbox = await self._resolve(user_id, chat_id, create, resident, before_replace)
+            sandbox = await self._resolve(user_id, chat_id, create, resident, before_replace, seen)
             self.uses.acquire(sandbox.container_id)
             return sandbox
 
@@ -111,8 +116,12 @@ class SandboxManager(ChatContainers, MemberProcesses):
         self.uses.release(sandbox.container_id)
 
     async def _resolve(self, user_id: str, chat_id: str, create: bool, resident: bool,
-                       before_replace: BeforeReplace) -> Sandbox:
-        rec = await self.store.get_sandbox(user_id, chat_id)
+                       before_replace: BeforeReplace, seen: SeenSandbox | None) -> Sandbox:
+        if (seen is not None and (seen.user_id, seen.chat_id) == (user_id, chat_id)
+                and self.store.sandbox_writes.current(seen)):
+            rec = seen.record
+        else:
+            rec = await self.store.get_sandbox(user_id, chat_id)
         mark("sandbox_record")
         if rec is None:
             if not create:

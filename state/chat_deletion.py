@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from state.contract import ChatDeletion, now
 from state.receipts import tombstone
+from state.sandbox_writes import SandboxWrites
 
 T = TypeVar("T")
 
@@ -39,6 +40,8 @@ def _pg(sql: str) -> str:
 
 
 class SQLiteChatDeletion:
+    sandbox_writes: SandboxWrites
+
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         raise NotImplementedError
 
@@ -59,10 +62,15 @@ class SQLiteChatDeletion:
             removed = sum(db.execute(sql, (user_id, chat_id)).rowcount for sql in _REMOVE)
             return ChatDeletion(tombstoned=len(rows), removed=removed)
 
-        return await self._run(lambda db: self._tx(db, q))
+        try:
+            return await self._run(lambda db: self._tx(db, q))
+        finally:
+            self.sandbox_writes.wrote(user_id, chat_id)
 
 
 class PostgresChatDeletion:
+    sandbox_writes: SandboxWrites
+
     async def _tx(self, fn: Callable[[Any], Awaitable[T]]) -> T:
         raise NotImplementedError
 
@@ -87,4 +95,7 @@ class PostgresChatDeletion:
                 removed += (await conn.execute(_pg(sql), (user_id, chat_id))).rowcount
             return ChatDeletion(tombstoned=len(rows), removed=removed)
 
-        return await self._tx(q)
+        try:
+            return await self._tx(q)
+        finally:
+            self.sandbox_writes.wrote(user_id, chat_id)

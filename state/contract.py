@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from typing import Literal, Protocol, runtime_checkable
 
 from state.keepers import KeeperRecord
+from state.sandbox_writes import SandboxWrites, SeenSandbox
 from state.records import JobRecord, MemberRecord, PendingFork, SandboxRecord, SandboxState, SavedLocator
 from state.wire_ledger import SettleQuery, WireExpectation, WireRecordRow, WireSettleView, WireTurnRow
 
@@ -80,6 +81,8 @@ class Claim:
     # ``read_member``: the job's member as the claim's transaction saw it (None: no record yet);
     # a "claimed" job's only
     member: MemberRecord | None = None
+    # ``read_sandbox``: the chat's sandbox record as the same transaction saw it (a "claimed" job's only)
+    sandbox: SeenSandbox | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class StoreContract(Protocol):
     def bind_lease(self, lease: HostLease | None) -> None: ...
 
     # sandboxes
+    sandbox_writes: SandboxWrites  # whether a claim's read of a sandbox record is still current
     async def get_sandbox(self, user_id: str, chat_id: str) -> SandboxRecord | None: ...
     async def put_sandbox(self, rec: SandboxRecord) -> None: ...
     async def set_sandbox_state(self, user_id: str, chat_id: str, state: SandboxState,
@@ -169,7 +173,8 @@ class StoreContract(Protocol):
 
     # jobs
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False) -> Claim: ...
+                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False,
+                        read_sandbox: bool = False) -> Claim: ...
     async def get_job(self, user_id: str, job_id: str) -> JobRecord | None: ...
     async def finish_job(self, user_id: str, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None: ...
     # finish_job, its receipt decided in the same transaction from the ledger view of its verdict

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import psycopg
@@ -40,6 +40,7 @@ from state.contract import (
     now,
 )
 from state.migrations import MIGRATIONS
+from state.sandbox_writes import SandboxWrites, SeenSandbox
 from state.keepers import PostgresKeepers, postgres_put_keeper
 from state.postgres_fleet import NOW_MS, Conn, PostgresFleet
 from state.chat_deletion import PostgresChatDeletion
@@ -79,6 +80,7 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
                     **({} if sync_commits else {"options": "-c synchronous_commit=off"})},
         )
         self._lease: HostLease | None = None
+        self.sandbox_writes = SandboxWrites()
         self._version = 0
         self._opened = False
 
@@ -194,20 +196,26 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
                  rec.host_id, rec.state.value, rec.lost_reason, rec.stop_reason, rec.created_at.isoformat(),
                  rec.last_used_at.isoformat(), rec.volume_name, rec.volume_id))
 
-        await self._tx(q)
+        await self._write_sandbox(rec.user_id, rec.chat_id, q)
+
+    async def _write_sandbox(self, user_id: str, chat_id: str, fn: Callable[[Conn], Awaitable[Any]]) -> None:
+        try:
+            await self._tx(fn)
+        finally:
+            self.sandbox_writes.wrote(user_id, chat_id)
 
     async def set_sandbox_state(self, user_id: str, chat_id: str, state: SandboxState,
                                 lost_reason: str | None = None) -> None:
-        await self._tx(lambda conn: conn.execute(
+        await self._write_sandbox(user_id, chat_id, lambda conn: conn.execute(
             "UPDATE sandboxes SET state=%s, lost_reason=%s WHERE user_id=%s AND chat_id=%s",
             (state.value, lost_reason, user_id, chat_id)))
 
     async def set_stop_reason(self, user_id: str, chat_id: str, reason: str | None) -> None:
-        await self._tx(lambda conn: conn.execute(
+        await self._write_sandbox(user_id, chat_id, lambda conn: conn.execute(
             "UPDATE sandboxes SET stop_reason=%s WHERE user_id=%s AND chat_id=%s", (reason, user_id, chat_id)))
 
     async def touch_sandbox(self, user_id: str, chat_id: str) -> None:
-        await self._tx(lambda conn: conn.execute(
+        await self._write_sandbox(user_id, chat_id, lambda conn: conn.execute(
             "UPDATE sandboxes SET state=%s, last_used_at=%s WHERE user_id=%s AND chat_id=%s",
             (SandboxState.RUNNING.value, now().isoformat(), user_id, chat_id)))
 
@@ -295,8 +303,10 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
         return Claim("done" if job.state == JobState.DONE else "running", job)
 
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False) -> Claim:
+                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False,
+                        read_sandbox: bool = False) -> Claim:
         lease = self._lease  # ``sync`` aside: every commit of the daemon's store is synced
+        after = self.sandbox_writes.now()
 
         async def q(conn: Conn) -> Claim:
             row = await self._one(conn, self._JOB, (user_id, job_id))
@@ -312,7 +322,12 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
                  lease.host_id if lease else None, lease.epoch if lease else None))
             if row is not None:
                 member = await self._one(conn, self._MEMBER, (user_id, chat_id, member_id)) if read_member else None
-                return Claim("claimed", JobRecord(**row), _SQLiteRows._member(member) if member else None)
+                sandbox = None
+                if read_sandbox:
+                    found = await self._one(conn, "SELECT * FROM sandboxes WHERE user_id=%s AND chat_id=%s",
+                                            (user_id, chat_id))
+                    sandbox = SeenSandbox(user_id, chat_id, SandboxRecord(**found) if found else None, after)
+                return Claim("claimed", JobRecord(**row), _SQLiteRows._member(member) if member else None, sandbox)
             # a concurrent claim committed first (ON CONFLICT waited for it): its row is visible now
             row = await self._one(conn, self._JOB, (user_id, job_id))
             assert row is not None
@@ -329,7 +344,10 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
 
     async def finish_job(self, user_id: str, job_id: str, receipt_json: str, member: MemberOutcome | None) -> None:
         """Receipt and member state in ONE transaction; retried while the server is away."""
-        await self._finish(user_id, job_id, lambda conn: _decided(receipt_json, member))
+        try:
+            await self._finish(user_id, job_id, lambda conn: _decided(receipt_json, member))
+        finally:
+            self.sandbox_writes.wrote_some()  # the job's chat's sandbox: its last use
 
     async def settle_job(self, user_id: str, job_id: str, query: SettleQuery,
                          decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]]) -> None:
@@ -339,7 +357,10 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
         async def decided(conn: Conn) -> tuple[str, MemberOutcome | None]:
             return decide(await postgres_settle_view(conn, user_id, job_id, query))
 
-        await self._finish(user_id, job_id, decided)
+        try:
+            await self._finish(user_id, job_id, decided)
+        finally:
+            self.sandbox_writes.wrote(user_id, query.chat_id)  # the sandbox's last use
 
     async def _finish(self, user_id: str, job_id: str,
                       decided: Callable[[Conn], Awaitable[tuple[str, MemberOutcome | None]]]) -> None:

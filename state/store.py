@@ -30,6 +30,7 @@ from state.contract import (
     now,
 )
 from state.migrations import migrate
+from state.sandbox_writes import SandboxWrites, SeenSandbox
 from state.keepers import SQLiteKeepers, sqlite_put_keeper
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
 from state.chat_deletion import SQLiteChatDeletion
@@ -60,6 +61,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         self._lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(1)
         self._lease: HostLease | None = None
+        self.sandbox_writes = SandboxWrites()
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             # FULL: a committed turn survives power loss too. NORMAL (the proxy's records): the
@@ -81,6 +83,12 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                 return fn(self._db)
 
         return await anyio.to_thread.run_sync(call, limiter=self._limiter)
+
+    async def _write_sandbox(self, user_id: str, chat_id: str, fn: Callable[[sqlite3.Connection], None]) -> None:
+        try:
+            await self._run(fn)
+        finally:
+            self.sandbox_writes.wrote(user_id, chat_id)
 
     def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *, sync: bool = True) -> T:
         """One writing transaction. ``sync=False``: its commit is written to the WAL but not
@@ -165,7 +173,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                  rec.last_used_at.isoformat(), rec.volume_name, rec.volume_id),
             )
 
-        await self._run(q)
+        await self._write_sandbox(rec.user_id, rec.chat_id, q)
 
     async def set_sandbox_state(self, user_id: str, chat_id: str, state: SandboxState,
                                 lost_reason: str | None = None) -> None:
@@ -173,13 +181,13 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             db.execute("UPDATE sandboxes SET state=?, lost_reason=? WHERE user_id=? AND chat_id=?",
                        (state.value, lost_reason, user_id, chat_id))
 
-        await self._run(q)
+        await self._write_sandbox(user_id, chat_id, q)
 
     async def set_stop_reason(self, user_id: str, chat_id: str, reason: str | None) -> None:
         def q(db: sqlite3.Connection) -> None:
             db.execute("UPDATE sandboxes SET stop_reason=? WHERE user_id=? AND chat_id=?", (reason, user_id, chat_id))
 
-        await self._run(q)
+        await self._write_sandbox(user_id, chat_id, q)
 
     async def touch_sandbox(self, user_id: str, chat_id: str) -> None:
         """A checked, running sandbox about to serve a turn: state and last use, nothing else."""
@@ -188,7 +196,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             db.execute("UPDATE sandboxes SET state=?, last_used_at=? WHERE user_id=? AND chat_id=?",
                        (SandboxState.RUNNING.value, now().isoformat(), user_id, chat_id))
 
-        await self._run(q)
+        await self._write_sandbox(user_id, chat_id, q)
 
     async def list_sandboxes(self, state: SandboxState | None = None) -> list[SandboxRecord]:
         def q(db: sqlite3.Connection) -> list[SandboxRecord]:
@@ -285,17 +293,20 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         return JobRecord(**dict(row))
 
     async def claim_job(self, job_id: str, user_id: str, chat_id: str, member_id: str,
-                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False) -> Claim:
+                        body_digest: str, owner: str, *, sync: bool = True, read_member: bool = False,
+                        read_sandbox: bool = False) -> Claim:
         """The job fence: the first claim wins; every later one sees the first one's state.
 
         Job ids are scoped by user: the same id from another user is a different job.
         ``sync=False``: the claim fences at once but reaches the disk with :meth:`sync`, which
         the caller awaits before anything the claim fences happens (the CLI's input).
         ``read_member``: a job claimed here comes with its member's record, read in the same
-        transaction (:attr:`Claim.member`).
+        transaction (:attr:`Claim.member`); ``read_sandbox``: and with the chat's sandbox record
+        (:attr:`Claim.sandbox`, state.sandbox_writes).
         """
 
         lease = self._lease
+        after = self.sandbox_writes.now()
 
         def q(db: sqlite3.Connection) -> Claim:
             row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
@@ -313,7 +324,11 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             )
             row = db.execute("SELECT * FROM jobs WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
             member = self._member_at(db, user_id, chat_id, member_id) if read_member else None
-            return Claim("claimed", self._job(row), member)
+            sandbox = None
+            if read_sandbox:
+                found = db.execute("SELECT * FROM sandboxes WHERE user_id=? AND chat_id=?", (user_id, chat_id)).fetchone()
+                sandbox = SeenSandbox(user_id, chat_id, SandboxRecord(**dict(found)) if found else None, after)
+            return Claim("claimed", self._job(row), member, sandbox)
 
         return await self._run(lambda db: self._tx(db, q, sync=sync))
 
@@ -330,8 +345,11 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         The durable locator moves only for a :class:`VerifiedTurn`; every other outcome
         leaves it exactly as it was.
         """
-        await self._run(lambda db: self._tx(db, lambda d: self._finish(d, self._running_job(d, user_id, job_id),
-                                                                       receipt_json, member)))
+        try:
+            await self._run(lambda db: self._tx(db, lambda d: self._finish(d, self._running_job(d, user_id, job_id),
+                                                                           receipt_json, member)))
+        finally:
+            self.sandbox_writes.wrote_some()  # the job's chat's sandbox: its last use
 
     async def settle_job(self, user_id: str, job_id: str, query: SettleQuery,
                          decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]]) -> None:
@@ -343,7 +361,10 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             receipt_json, member = decide(sqlite_settle_view(db, user_id, job_id, query))
             self._finish(db, job, receipt_json, member)
 
-        await self._run(lambda db: self._tx(db, q))
+        try:
+            await self._run(lambda db: self._tx(db, q))
+        finally:
+            self.sandbox_writes.wrote(user_id, query.chat_id)  # the sandbox's last use
 
     def _running_job(self, db: sqlite3.Connection, user_id: str, job_id: str) -> JobRecord:
         """The job about to be committed: still running, and this host's lease live."""

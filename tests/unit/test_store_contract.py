@@ -117,6 +117,48 @@ async def test_a_claim_reads_its_member_in_the_same_transaction(store: StoreCont
     assert (await store.claim_job("j2", "u", "c", "m", "d", "o")).member is None  # not asked
 
 
+async def test_a_claim_reads_its_chats_sandbox_and_knows_when_that_read_went_stale(store: StoreContract) -> None:
+    """``read_sandbox``: the chat's sandbox record as the claim's transaction saw it, current
+    until a write of that chat's record returns (any of them, deletion and a settled turn's
+    last use included); another chat's write leaves it current, a job finished without its
+    chat named stales every read. A repeat reads nothing."""
+    from state.wire_ledger import SettleQuery
+
+    writes = store.sandbox_writes
+    first = await store.claim_job("j0", "u", "c", "m", "d", "o", read_sandbox=True)
+    assert (first.sandbox.user_id, first.sandbox.chat_id, first.sandbox.record) == ("u", "c", None)
+    await store.put_sandbox(_sandbox(volume_name="ca-x-home", volume_id="V1"))
+    assert not writes.current(first.sandbox)  # the record was made after that claim read none
+
+    async def claim(job: str):
+        c = await store.claim_job(job, "u", "c", "m", "d", "o", sync=False, read_sandbox=True)
+        assert c.kind == "claimed" and writes.current(c.sandbox)
+        return c.sandbox
+
+    seen = await claim("j1")
+    assert seen.record == await store.get_sandbox("u", "c") and seen.record.volume_id == "V1"
+    await store.put_sandbox(_sandbox(chat_id="other"))
+    await store.set_sandbox_state("u", "other", SandboxState.STOPPED)
+    assert writes.current(seen)  # another chat's writes
+    stale_after = [
+        lambda: store.set_sandbox_state("u", "c", SandboxState.STOPPED),
+        lambda: store.set_stop_reason("u", "c", "disk_quota"),
+        lambda: store.touch_sandbox("u", "c"),
+        lambda: store.put_sandbox(_sandbox(container_id="C2")),
+        lambda: store.settle_job("u", "j1", SettleQuery("c", None), lambda view: (_receipt("j1", "u", "c", "x"), None)),
+        lambda: store.finish_job("u", "j2", _receipt("j2", "u", "other", "x"), None),  # chat not named: all
+        lambda: store.delete_chat("u", "c"),
+    ]
+    await store.claim_job("j2", "u", "other", "m", "d", "o")
+    for i, write in enumerate(stale_after):
+        seen = await claim(f"k{i}")
+        await write()
+        assert not writes.current(seen), i
+    assert (await claim("k9")).record is None  # the deletion removed it
+    assert (await store.claim_job("k9", "u", "c", "m", "d", "o", read_sandbox=True)).sandbox is None  # running
+    assert (await store.claim_job("k10", "u", "c", "m", "d", "o")).sandbox is None  # not asked
+
+
 async def test_many_concurrent_claims_of_one_job_admit_exactly_one(store: StoreContract, tmp_path) -> None:
     handles = [store] + [await second_handle(store, tmp_path) for _ in range(3)]  # four "hosts"
     kinds: list[str] = []

@@ -140,8 +140,9 @@ class NativeSession(ABC):
         # to the keeper offset where the turn begins, so a new daemon can finish the turn)
         self.before_turn: Callable[[TurnStart], Awaitable[None]] | None = None
         self._seq = 0
-        self._busy = anyio.Lock()
-        self._send_lock = anyio.Lock()
+        # fast_acquire: a free lock is taken without a trip round the event loop (several per turn)
+        self._busy = anyio.Lock(fast_acquire=True)
+        self._send_lock = anyio.Lock(fast_acquire=True)
         self._log = log.bind(runtime=self.runtime_name)
 
     @property

@@ -141,7 +141,7 @@ class ControlServer:
 
     async def _connection(self, stream: SocketStream) -> None:
         buffered = BufferedByteReceiveStream(stream)
-        write = anyio.Lock()
+        write = anyio.Lock(fast_acquire=True)
         daemon = False
         try:
             # requests are answered concurrently (a flush waits while other turns begin and

@@ -59,7 +59,7 @@ class ServiceLink:
         self._buffered = BufferedByteReceiveStream(stream)
         self._next_id = 0
         self._waiting: dict[int, _Waiting] = {}
-        self._write = anyio.Lock()
+        self._write = anyio.Lock(fast_acquire=True)  # no yield when free: a call per turn phase
         self.closed = anyio.Event()
 
     async def read_answers(self) -> None:

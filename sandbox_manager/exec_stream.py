@@ -44,7 +44,7 @@ class ExecStream:
         self._eof = False
         self._closed_write = False
         self._closed = False
-        self._send_lock = anyio.Lock()
+        self._send_lock = anyio.Lock(fast_acquire=True)
 
     @classmethod
     async def from_socket(cls, sock: socket.socket, exec_id: str) -> "ExecStream":

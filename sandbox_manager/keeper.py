@@ -96,7 +96,7 @@ class KeeperChannel:
         self._line_too_long: KeeperLineTooLong | None = None
         self._stderr: deque[bytes] = deque()
         self._stderr_len = 0
-        self._send_lock = anyio.Lock()
+        self._send_lock = anyio.Lock(fast_acquire=True)
 
     @classmethod
     async def open(cls, stream: ByteStream, *, from_offset: int = 0, expect: KeeperIdentity | None = None,

@@ -90,7 +90,7 @@ class SandboxManager(ChatContainers, MemberProcesses):
     # -- resolve ------------------------------------------------------------------------------
 
     def _chat_lock(self, user_id: str, chat_id: str) -> anyio.Lock:
-        return self._chat_locks.setdefault((user_id, chat_id), anyio.Lock())
+        return self._chat_locks.setdefault((user_id, chat_id), anyio.Lock(fast_acquire=True))
 
     async def resolve(self, user_id: str, chat_id: str, *, create: bool = True, resident: bool = False,
                       before_replace: BeforeReplace = _nothing_resident, seen: SeenSandbox | None = None) -> Sandbox:

@@ -43,6 +43,7 @@ from runner.turn_commit import commit_turn
 from runner.turn_context import (
     Detached,
     Emit,
+    InputNotReady,
     KnownMember,
     LaunchGate,
     TurnGate,
@@ -397,21 +398,39 @@ class TurnRunner:
                 mark("first_event")
             ctx.emit({"type": "event", **event.model_dump(exclude={"raw"})})
 
+        async def input_ready() -> None:
+            if ctx.claim_on_disk is not None:
+                await ctx.claim_on_disk()  # a power loss never leaves a message the CLI saw unclaimed
+            if ctx.proxy_begun is not None:
+                await ctx.proxy_begun()  # the CLI's requests are this job's from its first one
+
         resident = self.pool.get(key)
         keepers = self.keepers
         if resident is not None and resident.keeper is not None and keepers is not None:
             handle, t_ctx = resident.keeper, ctx
 
             async def record_start(start: TurnStart) -> None:
-                await keepers.begin_turn(key, job.runtime, handle, session, job, start, status=t_ctx.status,
-                                         started_at=t_ctx.started_at, timings=t_ctx.timings)
+                # The turn's record is written while the claim reaches the disk (the record needs
+                # the turn's start, which the driver makes inside run_turn); the CLI's input
+                # waits for both. A failed wait is raised past the turn as itself (InputNotReady).
+                failed: list[Exception] = []
+
+                async def ready() -> None:
+                    try:
+                        await input_ready()
+                    except Exception as exc:  # noqa: BLE001 - raised below, once the record is done
+                        failed.append(exc)
+
+                await alongside(ready, lambda: keepers.begin_turn(key, job.runtime, handle, session, job, start,
+                                                                  status=t_ctx.status, started_at=t_ctx.started_at,
+                                                                  timings=t_ctx.timings))
+                if failed:
+                    raise InputNotReady(failed[0])
                 mark("turn_recorded")
 
             session.before_turn = record_start
-        if ctx.claim_on_disk is not None:
-            await ctx.claim_on_disk()  # a power loss never leaves a message the CLI saw unclaimed
-        if ctx.proxy_begun is not None:
-            await ctx.proxy_begun()  # the CLI's requests are this job's from its first one
+        else:
+            await input_ready()
         mark("before_input")
         t = time.monotonic()
         outcome: Settlement | NotSettled
@@ -426,6 +445,8 @@ class TurnRunner:
                     outcome = await session.run_turn(job.message, emit=forward, timeout_s=self.turn_timeout_s)
             if watchdog.cancelled_caught:
                 outcome = NotSettled(reason=NotSettledReason.TIMEOUT, detail="runner watchdog")
+        except InputNotReady as not_ready:
+            raise not_ready.cause  # the CLI got nothing: as if it failed before the turn
         except BaseException:
             if self.detaching and resident is not None and resident.keeper is not None:
                 raise  # the keeper keeps the turn's output; the next daemon finishes it

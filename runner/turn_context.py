@@ -101,6 +101,15 @@ class Detached(Exception):
     """The daemon is shutting down under a turn that runs on under its keeper (SPEC 14)."""
 
 
+class InputNotReady(Exception):
+    """What the CLI's input waits for failed (the claim's flush, the proxy's begin): raised from
+    inside the driver's turn before anything was sent, and re-raised past it as ``cause``."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class NotStarted(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)

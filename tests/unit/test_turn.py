@@ -104,6 +104,8 @@ class FakeSession(NativeSession):
         self.cli_version = "fake-cli 1.0"
 
     async def run_turn(self, message: str, *, emit=discard, timeout_s: float = 600.0) -> TurnOutcome:
+        if self.before_turn is not None:  # as the template does, before the opening is sent
+            await self.before_turn(TurnStart(turn=len(self.script.messages) + 1))
         self.script.messages.append(message)
         return self.script.turns.pop(0)(self)
 
@@ -524,6 +526,77 @@ async def test_a_claim_that_cannot_reach_the_disk_fails_the_job_before_the_cli_s
     assert rig.script.messages == ["one"]
     job = await rig.store.get_job(KEY[0], "job-1")
     assert job is not None and (job.state, job.receipt_json) == (JobState.RUNNING, None)  # the supervisor closes it
+
+
+class RecordingKeepers:
+    """The runner's keepers as far as a LIVE turn on a keeper resident uses them: the turn's
+    record before its opening (``begin_turn``), none between turns."""
+
+    def __init__(self, script: Script, claim_pending: Callable[[], bool]) -> None:
+        self.script, self.claim_pending = script, claim_pending
+        self.began: list[tuple[str, bool, int]] = []  # (job, claim still on its way, messages the CLI had)
+        self.release = anyio.Event()
+
+    async def begin_turn(self, key: Any, runtime: str, handle: Any, session: Any, job: Job, start: Any,
+                         **_: Any) -> None:
+        self.began.append((job.job_id, self.claim_pending(), len(self.script.messages)))
+        await self.release.wait()
+
+    def after_turn(self, *_: Any) -> None:
+        return None
+
+
+def as_keeper_resident(rig: Rig, claim_pending: Callable[[], bool]) -> RecordingKeepers:
+    keepers = RecordingKeepers(rig.script, claim_pending)
+    rig.runner.keepers = keepers  # type: ignore[assignment]
+    rig.pool.get(KEY).keeper = object()  # the resident runs under a keeper
+    return keepers
+
+
+async def test_a_keeper_residents_turn_record_is_written_while_the_claim_reaches_the_disk(rig: Rig) -> None:
+    """Both come before the CLI's input, neither after the other: the record is begun while
+    the claim's flush is still on its way, and the message goes once both are done."""
+    rig.script.turns = [settled(), settled()]
+    await rig.run("one")
+    on_disk = anyio.Event()
+    keepers = as_keeper_resident(rig, lambda: not on_disk.is_set())
+    receipts: list[Receipt] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: _append(receipts, rig.run("two", claim_on_disk=on_disk.wait)))
+        with anyio.fail_after(5):
+            while not keepers.began:
+                await anyio.sleep(0.01)
+        assert keepers.began == [("job-1", True, 1)]  # begun beside the flush, before the input
+        on_disk.set()
+        await anyio.sleep(0.05)
+        assert rig.script.messages == ["one"]  # the record is not done yet: no input
+        keepers.release.set()
+    assert outcome(receipts[0]) == ("LIVE", "succeeded", None)
+    assert rig.script.messages == ["one", "two"]
+
+
+async def test_a_keeper_residents_claim_that_cannot_reach_the_disk_fails_before_the_cli_sees_it(rig: Rig) -> None:
+    """The same failure as without a keeper: StoreUnavailable raised as itself past the turn, no
+    receipt (the supervisor closes the job), nothing sent to the CLI."""
+    from runner.claim_on_disk import ClaimOnDisk
+    from state.contract import StoreUnavailable
+    from state.records import JobState
+
+    rig.script.turns = [settled(), settled()]
+    await rig.run("one")
+    keepers = as_keeper_resident(rig, lambda: False)
+    keepers.release.set()
+
+    async def broken_disk() -> None:
+        raise OSError(5, "Input/output error")
+
+    on_disk = ClaimOnDisk()
+    await on_disk.flush(broken_disk)
+    with pytest.raises(StoreUnavailable, match="did not reach the disk: OSError.5, 'Input/output error'"):
+        await rig.run("two", claim_on_disk=on_disk.wait)
+    assert (rig.script.messages, [b[0] for b in keepers.began]) == (["one"], ["job-1"])
+    job = await rig.store.get_job(KEY[0], "job-1")
+    assert job is not None and (job.state, job.receipt_json) == (JobState.RUNNING, None)
 
 
 async def _append(out: list[Receipt], receipt: Any) -> None:

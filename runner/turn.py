@@ -217,6 +217,24 @@ class TurnRunner:
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)
 
+    async def _lost_under(self, ctx: TurnContext, key: tuple[str, str, str]) -> Refusal | None:
+        """A resident's turn checked from the engine's events whose CLI link ended before any
+        output: the container may have gone just before the turn, its events not yet read. Ask
+        the engine; a lost sandbox is this turn's LOST refusal (SPEC 15), as if the events had
+        come first (the CLI said nothing, so the model was sent nothing through it)."""
+        job = ctx.job
+        if ctx.sandbox is not None:  # our use goes first: a replacement the check makes waits for its uses
+            self.manager.release(ctx.sandbox)
+            ctx.sandbox = None
+        try:
+            ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id)  # released with the turn
+        except SandboxLost as lost:
+            await self.pool.retire_where(lambda r: r.key[:2] == key[:2], "sandbox lost")
+            return Refusal(lost.reason.value, detail=lost.detail)
+        except (ImageRefused, ModelGateNotReady, SandboxRefused):
+            pass  # not lost: the turn's own outcome stands
+        return None
+
     async def _end_of_turn(self, job: Job, *, left: bool = False) -> None:
         """The member's requests no longer belong to ``job`` — unless the turn was ``left`` to
         the next daemon (this one is shutting down under it): the proxy service, which outlives
@@ -463,6 +481,14 @@ class TurnRunner:
         if self.pool.get(key) is not None:
             self.pool.get(key).last_used = time.monotonic()
         ctx.compacted = bool(getattr(outcome, "compacted", False))
+        if (isinstance(outcome, NotSettled) and outcome.reason == NotSettledReason.TRANSPORT_CLOSED and first
+                and ctx.sandbox is not None and ctx.sandbox.from_events):
+            lost = await self._lost_under(ctx, key)
+            if lost is not None:
+                ctx.status = lost.status
+                await self.store.mark_member_lost(*key, lost.reason)
+                return await self._commit(ctx, build_receipt(ctx, Outcome.REFUSED, reason=lost.reason,
+                                                             detail=lost.detail or None), None)
         if isinstance(outcome, NotSettled):
             await self.pool.retire(key, f"not settled: {outcome.reason.value}")
             receipt = build_receipt(ctx, Outcome.NOT_SETTLED, reason=outcome.reason.value, text=outcome.assistant_text,

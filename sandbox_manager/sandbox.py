@@ -20,6 +20,9 @@ class Sandbox:
     started: bool = False  # this call started it (it was stopped)
     replaced: Replaced | None = None  # this call replaced the container (on the same volume)
     replaced_image_id: str | None = None  # the image of the container it replaced
+    # checked from facts the engine's event stream kept, not against the engine (a resident's
+    # turn): an event that had not reached the daemon yet may have made them stale
+    from_events: bool = False
 
     @property
     def container_id(self) -> str:

@@ -134,7 +134,7 @@ class SandboxManager(ChatContainers, MemberProcesses):
                 and (facts := self.integrity.get(rec.container_id, rec.data_root_id)) is not None):
             mark("integrity_cached")
             self._changed(user_id, chat_id, SandboxState.RUNNING)
-            return Sandbox(record=rec, container=facts.container, image=facts.image)
+            return Sandbox(record=rec, container=facts.container, image=facts.image, from_events=True)
         try:
             sandbox = await self._resolve_recorded(rec, before_replace)
         except SandboxLost as lost:

@@ -271,6 +271,31 @@ async def test_a_lost_volume_is_refused_and_the_member_stays_lost(rig: Rig) -> N
     assert rig.script.messages == ["hello"] and len(rig.script.launches) == 1
 
 
+async def test_a_resident_turn_on_facts_the_events_had_not_yet_spoiled_is_refused_lost(rig: Rig) -> None:
+    """The container and its volume are removed just before a resident's turn, and the engine's
+    events have not reached the daemon: the turn is checked from the kept facts and its CLI link
+    ends at once. The turn asks the engine and is the LOST refusal (SPEC 15), not a LIVE
+    not_settled on facts that were stale (issue 16)."""
+    from sandbox_manager.integrity import Facts
+
+    rig.script.turns = [settled(), not_settled(NotSettledReason.TRANSPORT_CLOSED)]
+    first = await rig.run()
+    manager = rig.runner.manager
+    cid, rec = first.sandbox.container_id, await rig.store.get_sandbox(KEY[0], KEY[1])
+    integrity = manager.integrity
+    integrity._connection = 1  # a live event stream (the fake engine has none) that kept the facts
+    integrity.put(integrity.token(cid), Facts(await rig.engine.inspect(cid), await rig.engine.image(IMAGE),
+                                              rec.data_root_id, rec.volume_name))
+    await rig.engine.remove(cid)
+    await rig.engine.remove_volume(first.sandbox.volume)
+    lost = await rig.run("sent to a link that ended")
+    assert outcome(lost) == ("LOST", "refused", "volume_missing")
+    assert lost.locator_after == first.locator_after
+    assert (await rig.member()).lost_reason == "volume_missing"
+    assert not rig.resident
+    assert outcome(await rig.run("never sent")) == ("LOST", "refused", "previously_lost")
+
+
 async def test_settled_turns_without_a_locator_are_lost(rig: Rig) -> None:
     rig.script.turns = [settled()]
     await rig.run()

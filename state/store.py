@@ -23,6 +23,7 @@ from state.contract import (
     Claim,
     Fenced,
     HostLease,
+    StoreUnavailable,
     MemberOutcome,
     VerifiedIn,
     VerifiedTurn,
@@ -31,6 +32,7 @@ from state.contract import (
 )
 from state.migrations import migrate
 from state.sandbox_writes import SandboxWrites, SeenSandbox
+from state.wal_flusher import FlushFailed, FlusherGone, WalFlusher
 from state.keepers import SQLiteKeepers, sqlite_put_keeper
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
 from state.chat_deletion import SQLiteChatDeletion
@@ -62,6 +64,8 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         self._limiter = anyio.CapacityLimiter(1)
         self._lease: HostLease | None = None
         self.sandbox_writes = SandboxWrites()
+        # relaxed commits a caller flushes later (a claim): fsynced by a process of its own
+        self.flusher = WalFlusher([f"{path}-wal", str(path)]) if sync_commits else None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             # FULL: a committed turn survives power loss too. NORMAL (the proxy's records): the
@@ -90,10 +94,12 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         finally:
             self.sandbox_writes.wrote(user_id, chat_id)
 
-    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *, sync: bool = True) -> T:
+    def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *, sync: bool = True,
+            flush_now: bool = False) -> T:
         """One writing transaction. ``sync=False``: its commit is written to the WAL but not
         flushed (it survives the process, not the machine) until :meth:`sync` or the next
-        flushed commit of any connection."""
+        flushed commit of any connection; ``flush_now``: the flusher starts on it as it returns
+        (the caller's :meth:`sync` then waits for that flush)."""
         relaxed = not sync and self.sync_commits
         if relaxed:
             db.execute("PRAGMA synchronous=NORMAL")  # outside the transaction: SQLite's rule
@@ -102,18 +108,28 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             try:
                 result = fn(db)
                 db.execute("COMMIT")
-                return result
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+            if relaxed and self.flusher is not None:
+                self.flusher.committed(flush=flush_now)
+            return result
         finally:
             if relaxed:
                 db.execute("PRAGMA synchronous=FULL")
 
     async def sync(self) -> None:
         """Every commit made so far is on disk when this returns (those made with ``sync=False``
-        included): the WAL file's fsync, on a worker thread of its own so the connection's
-        thread serves reads meanwhile."""
+        included): the WAL file's fsync, by the flusher's process (state.wal_flusher), or with
+        none on a worker thread of its own, so the connection's thread serves reads meanwhile."""
+        if self.flusher is not None:
+            try:
+                await self.flusher.wait()
+                return
+            except FlusherGone:
+                pass  # flushed here instead (``flusher.gone`` says why)
+            except FlushFailed as exc:
+                raise StoreUnavailable(f"a commit did not reach the disk: {exc}") from exc
         await anyio.to_thread.run_sync(self._fsync_wal)
 
     def _fsync_wal(self) -> None:
@@ -131,11 +147,15 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             return
 
     def close(self) -> None:
+        if self.flusher is not None:
+            self.flusher.close()
         with self._lock:
             self._db.close()
 
     async def open(self) -> None:
-        """Nothing to do: the file is opened and migrated by the constructor."""
+        """The flusher's process starts (the file is opened and migrated by the constructor)."""
+        if self.flusher is not None:
+            await anyio.to_thread.run_sync(self.flusher.start)  # a fork and exec: off the loop
 
     async def aclose(self) -> None:
         self.close()
@@ -330,7 +350,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                 sandbox = SeenSandbox(user_id, chat_id, SandboxRecord(**dict(found)) if found else None, after)
             return Claim("claimed", self._job(row), member, sandbox)
 
-        return await self._run(lambda db: self._tx(db, q, sync=sync))
+        return await self._run(lambda db: self._tx(db, q, sync=sync, flush_now=not sync))
 
     async def get_job(self, user_id: str, job_id: str) -> JobRecord | None:
         def q(db: sqlite3.Connection) -> JobRecord | None:
@@ -362,9 +382,13 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             self._finish(db, job, receipt_json, member)
 
         try:
-            await self._run(lambda db: self._tx(db, q))
+            # committed without waiting for the disk, then flushed by the flusher before this
+            # returns (the receipt leaves only once it is on disk): the store's thread is free
+            # for other chats meanwhile, and turns that settle together share one fsync
+            await self._run(lambda db: self._tx(db, q, sync=False, flush_now=True))
         finally:
             self.sandbox_writes.wrote(user_id, query.chat_id)  # the sandbox's last use
+        await self.sync()
 
     def _running_job(self, db: sqlite3.Connection, user_id: str, job_id: str) -> JobRecord:
         """The job about to be committed: still running, and this host's lease live."""

@@ -342,6 +342,11 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     await bare.close()
     out["load"]["restored"] = load()
     out["rest_d"], out["rest_b"], out["rest_phases"], out["rest_bare"] = rest_d, rest_b, rest_phases, rest_bare
+    if not chats:  # `--chats 0`: the one-at-a-time figures alone
+        out.update(tp_d=0.0, tp_b=0.0, failures=[], tp_phases=[], tp_lat_d=[], tp_lat_b=[])
+        out["load"]["throughput"] = "-"
+        await d.client.post(f"/v1/users/{user}/chats/{chat}/stop")
+        return out
     # ---- throughput: chats × rounds LIVE turns, daemon vs bare, concurrently
     conc = [f"{runtime}-c{i}-{uuid.uuid4().hex[:4]}" for i in range(chats)]
     failures: list[str] = []

@@ -1,0 +1,115 @@
+"""The WAL flusher (state.wal_flusher): a process of its own fsyncs the store's relaxed commits.
+
+Real processes and a real file: the flusher's child is started as the store starts it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import pytest
+
+from state.contract import StoreUnavailable
+from state.store import Store
+from state.wal_flusher import FlushFailed, FlusherGone, WalFlusher
+from tests.support.store import rows
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "s.db")
+    yield s
+    s.close()
+
+
+async def test_a_deferred_claim_is_asked_to_reach_the_disk_as_it_returns(store: Store) -> None:
+    """The claim's flush starts with the claim, not when the turn first waits for it; the wait
+    then takes that flush rather than asking for another."""
+    await store.open()
+    assert store.flusher is not None and store.flusher.pid is not None
+    claim = await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
+    assert claim.kind == "claimed"
+    assert (store.flusher.sent, store.flusher.flushes) == (1, 0)
+    await store.sync()
+    assert (store.flusher.sent, store.flusher.flushes) == (1, 1)
+    await store.sync()  # nothing new since: no flush asked for
+    assert (store.flusher.sent, store.flusher.flushes) == (1, 1)
+
+
+async def test_a_settled_turn_is_flushed_by_the_flusher_before_settle_returns(store: Store) -> None:
+    from state.wire_ledger import SettleQuery
+
+    await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
+    await store.sync()
+    await store.ensure_member("u", "c", "m", "pi")
+    before = store.flusher.flushes
+    await store.settle_job("u", "j1", SettleQuery("c", None), lambda view: ('{"r": 1}', None))
+    assert store.flusher.flushes == before + 1  # the receipt's flush was read before settle returned
+    assert [(r["job_id"], r["state"], r["receipt_json"]) for r in rows(store, "jobs")] == [("j1", "done", '{"r": 1}')]
+
+
+async def test_commits_made_while_a_flush_is_in_flight_share_the_next_one(tmp_path: Path) -> None:
+    """One flush in flight at a time; the commits counted meanwhile all go with the next."""
+    (tmp_path / "f").write_bytes(b"x")
+    flusher = WalFlusher([str(tmp_path / "f")])
+    try:
+        for _ in range(5):
+            flusher.committed(flush=True)
+        assert flusher.sent == 1  # the first is in flight: the other four wait for it to answer
+        async with anyio.create_task_group() as tg:  # several waiters: one reads, the rest follow
+            for _ in range(3):
+                tg.start_soon(flusher.wait)
+        assert (flusher.sent, flusher.flushes) == (2, 2)
+    finally:
+        flusher.close()
+
+
+async def test_the_flusher_inherits_no_environment_and_ends_with_the_store(tmp_path: Path) -> None:
+    os.environ["CLOUD_AGENT_TEST_SECRET"] = "not-for-the-flusher"
+    try:
+        s = Store(tmp_path / "s.db")
+        await s.open()
+    finally:
+        del os.environ["CLOUD_AGENT_TEST_SECRET"]
+    assert s.flusher is not None and s.flusher.pid is not None
+    pid = s.flusher.pid
+    assert Path(f"/proc/{pid}/environ").read_bytes() == b""
+    s.close()
+    assert not Path(f"/proc/{pid}").exists()  # ended and reaped
+
+
+async def test_a_flusher_that_ended_leaves_the_flush_to_a_thread(store: Store) -> None:
+    await store.open()
+    assert store.flusher is not None and store.flusher.pid is not None
+    pid = store.flusher.pid
+    os.kill(pid, signal.SIGKILL)
+    while Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":  # dead, its socket closed
+        await anyio.sleep(0.01)
+    await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
+    await store.sync()  # flushed on a thread instead: it returns
+    assert store.flusher.gone is not None and store.flusher.gone.startswith("send failed: BrokenPipeError")
+    await store.claim_job("j2", "u", "c", "m", "d", "o", sync=False)
+    await store.sync()
+    with pytest.raises(FlusherGone):
+        await store.flusher.wait()
+
+
+async def test_a_failed_fsync_fails_the_wait_and_the_store_says_it_is_unavailable(store: Store) -> None:
+    # procfs files refuse fsync (EINVAL): the child answers that the flush failed
+    failing = WalFlusher(["/proc/version"])
+    try:
+        failing.committed(flush=True)
+        with pytest.raises(FlushFailed):
+            await failing.wait()
+    finally:
+        failing.close()
+    store.flusher.close()
+    store.flusher = WalFlusher(["/proc/version"])
+    await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
+    with pytest.raises(StoreUnavailable, match="did not reach the disk"):
+        await store.sync()

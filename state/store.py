@@ -382,13 +382,12 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             self._finish(db, job, receipt_json, member)
 
         try:
-            # committed without waiting for the disk, then flushed by the flusher before this
-            # returns (the receipt leaves only once it is on disk): the store's thread is free
-            # for other chats meanwhile, and turns that settle together share one fsync
-            await self._run(lambda db: self._tx(db, q, sync=False, flush_now=True))
+            # A synchronous commit, not a relaxed one the flusher then flushes: SQLite makes a
+            # synchronous commit visible to readers only once it is on disk, and a receipt must
+            # never be readable (GET of the job, the inspector) before it is durable.
+            await self._run(lambda db: self._tx(db, q))
         finally:
             self.sandbox_writes.wrote(user_id, query.chat_id)  # the sandbox's last use
-        await self.sync()
 
     def _running_job(self, db: sqlite3.Connection, user_id: str, job_id: str) -> JobRecord:
         """The job about to be committed: still running, and this host's lease live."""

@@ -15,7 +15,6 @@ import pytest
 from state.contract import StoreUnavailable
 from state.store import Store
 from state.wal_flusher import FlushFailed, FlusherGone, WalFlusher
-from tests.support.store import rows
 
 pytestmark = pytest.mark.anyio
 
@@ -39,18 +38,6 @@ async def test_a_deferred_claim_is_asked_to_reach_the_disk_as_it_returns(store: 
     assert (store.flusher.sent, store.flusher.flushes) == (1, 1)
     await store.sync()  # nothing new since: no flush asked for
     assert (store.flusher.sent, store.flusher.flushes) == (1, 1)
-
-
-async def test_a_settled_turn_is_flushed_by_the_flusher_before_settle_returns(store: Store) -> None:
-    from state.wire_ledger import SettleQuery
-
-    await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
-    await store.sync()
-    await store.ensure_member("u", "c", "m", "pi")
-    before = store.flusher.flushes
-    await store.settle_job("u", "j1", SettleQuery("c", None), lambda view: ('{"r": 1}', None))
-    assert store.flusher.flushes == before + 1  # the receipt's flush was read before settle returned
-    assert [(r["job_id"], r["state"], r["receipt_json"]) for r in rows(store, "jobs")] == [("j1", "done", '{"r": 1}')]
 
 
 async def test_commits_made_while_a_flush_is_in_flight_share_the_next_one(tmp_path: Path) -> None:

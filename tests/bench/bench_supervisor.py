@@ -434,7 +434,8 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     out["tp_b"] = len(bares) * rounds / (time.perf_counter() - t)
     out["cpu_b"] = cpu_per_turn(cpu0, cpu_by_process(), len(bares) * rounds)
     if failures:  # a run with failures still prints its figures, and says what failed
-        print(f"{runtime}: {len(failures)} failures: {sorted(set(failures))}", flush=True)
+        print(f"{runtime}: {len(failures)} failures: {sorted(set(failures))}; residents retired for the memory "
+              f"budget so far, by cause: {budget_retirements(sup) or 'none'}", flush=True)
     out["load"]["throughput"] = load()
     out["failures"] = failures
     out["tp_phases"], out["tp_lat_d"], out["tp_lat_b"] = tp_rows, tp_lat_d, tp_lat_b
@@ -442,6 +443,16 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         await b.close()
     for c in [chat, *conc]:
         await d.client.post(f"/v1/users/{user}/chats/{c}/stop")
+    return out
+
+
+def budget_retirements(sup: Any) -> dict[str, float]:
+    """The daemon's count of idle residents retired for the memory budget, by cause."""
+    out: dict[str, float] = {}
+    for metric in sup.memory.metrics.retirements.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                out[sample.labels["cause"]] = sample.value
     return out
 
 

@@ -10,7 +10,6 @@ never blocks on disk; ``BEGIN IMMEDIATE`` serialises every writing transaction.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -23,8 +22,8 @@ from state.contract import (
     Claim,
     Fenced,
     HostLease,
-    StoreUnavailable,
     MemberOutcome,
+    StoreUnavailable,
     VerifiedIn,
     VerifiedTurn,
     fork_where,
@@ -32,6 +31,7 @@ from state.contract import (
 )
 from state.migrations import migrate
 from state.sandbox_writes import SandboxWrites, SeenSandbox
+from state.wal_flush_child import flush as fsync_first_of
 from state.wal_flusher import FlushFailed, FlusherGone, WalFlusher
 from state.keepers import SQLiteKeepers, sqlite_put_keeper
 from state.sqlite_fleet import NOW_MS, SQLiteFleet
@@ -64,8 +64,9 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         self._limiter = anyio.CapacityLimiter(1)
         self._lease: HostLease | None = None
         self.sandbox_writes = SandboxWrites()
+        self._wal_paths = [f"{path}-wal", str(path)]  # what a flush fsyncs: the first that exists
         # relaxed commits a caller flushes later (a claim): fsynced by a process of its own
-        self.flusher = WalFlusher([f"{path}-wal", str(path)]) if sync_commits else None
+        self.flusher = WalFlusher(self._wal_paths) if sync_commits else None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             # FULL: a committed turn survives power loss too. NORMAL (the proxy's records): the
@@ -130,21 +131,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
                 pass  # flushed here instead (``flusher.gone`` says why)
             except FlushFailed as exc:
                 raise StoreUnavailable(f"a commit did not reach the disk: {exc}") from exc
-        await anyio.to_thread.run_sync(self._fsync_wal)
-
-    def _fsync_wal(self) -> None:
-        # A fresh descriptor each time: fsync is per file, whichever descriptor asks. With no
-        # WAL file every commit was checkpointed into the database, which the checkpoint synced.
-        for path in (f"{self.path}-wal", str(self.path)):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return
+        await anyio.to_thread.run_sync(fsync_first_of, self._wal_paths)  # the flusher's own fsync
 
     def close(self) -> None:
         if self.flusher is not None:

@@ -15,6 +15,8 @@ import sys
 
 
 def flush(paths: list[str]) -> None:
+    """fsync the first of ``paths`` that exists, through a fresh descriptor (fsync is per file,
+    whichever descriptor asks). Also the store's flush on a thread when there is no flusher."""
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY)

@@ -31,6 +31,16 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook
 
 
 @pytest.fixture
+def sqlite_store(tmp_path):
+    """An embedded store in the test's own directory, closed after it."""
+    from state.store import Store
+
+    s = Store(tmp_path / "s.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
 

@@ -14,13 +14,6 @@ from tests.support.store import rows
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "s.db")
-    yield s
-    s.close()
-
-
 async def test_migrations_are_versioned_and_idempotent(tmp_path) -> None:
     s = Store(tmp_path / "s.db")
     assert s.schema_version == len(MIGRATIONS)
@@ -55,7 +48,8 @@ async def test_upgrade_from_version_1_keeps_rows(tmp_path) -> None:
 # The job fence, the commit rule and the host fence on both backends: test_store_contract.py
 
 
-async def test_a_commit_without_sync_is_written_with_the_flush_off_and_the_flush_back_on_after(store) -> None:
+async def test_a_commit_without_sync_is_written_with_the_flush_off_and_the_flush_back_on_after(sqlite_store) -> None:
+    store = sqlite_store
     """``sync=False`` (the job claim; a keeper's turn start): the transaction runs with
     ``synchronous=NORMAL`` (no fsync at its commit) and every later one with FULL again."""
     statements: list[str] = []

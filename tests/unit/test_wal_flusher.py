@@ -19,14 +19,8 @@ from state.wal_flusher import FlushFailed, FlusherGone, WalFlusher
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "s.db")
-    yield s
-    s.close()
-
-
-async def test_a_deferred_claim_is_asked_to_reach_the_disk_as_it_returns(store: Store) -> None:
+async def test_a_deferred_claim_is_asked_to_reach_the_disk_as_it_returns(sqlite_store: Store) -> None:
+    store = sqlite_store
     """The claim's flush starts with the claim, not when the turn first waits for it; the wait
     then takes that flush rather than asking for another."""
     await store.open()
@@ -70,7 +64,8 @@ async def test_the_flusher_inherits_no_environment_and_ends_with_the_store(tmp_p
     assert not Path(f"/proc/{pid}").exists()  # ended and reaped
 
 
-async def test_a_flusher_that_ended_leaves_the_flush_to_a_thread(store: Store) -> None:
+async def test_a_flusher_that_ended_leaves_the_flush_to_a_thread(sqlite_store: Store) -> None:
+    store = sqlite_store
     await store.open()
     assert store.flusher is not None and store.flusher.pid is not None
     pid = store.flusher.pid
@@ -86,7 +81,8 @@ async def test_a_flusher_that_ended_leaves_the_flush_to_a_thread(store: Store) -
         await store.flusher.wait()
 
 
-async def test_a_failed_fsync_fails_the_wait_and_the_store_says_it_is_unavailable(store: Store) -> None:
+async def test_a_failed_fsync_fails_the_wait_and_the_store_says_it_is_unavailable(sqlite_store: Store) -> None:
+    store = sqlite_store
     # procfs files refuse fsync (EINVAL): the child answers that the flush failed
     failing = WalFlusher(["/proc/version"])
     try:

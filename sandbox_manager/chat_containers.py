@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import NamedTuple
+
+import anyio
 
 from images.checks import check_image_labels
 from sandbox_manager.disk_bound import DiskBound
@@ -32,6 +35,7 @@ from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sealing import MODEL_DIR, MODEL_GATE_COMMAND, GateReport, unsealed, wait_gate
 from sandbox_manager.uses import ContainerUses
 from sandbox_manager.volumes import LABEL_VOLUME_ID, MARKER_PATH, marker_bytes, volume_labels, volume_name
+from sandbox_manager.volume_files import put_root_file
 from state.records import SandboxRecord
 from state.store import Store
 
@@ -116,20 +120,26 @@ class ChatContainers:
                              command=MODEL_GATE_COMMAND, memory_bytes=self.config.memory_bytes,
                              pids_limit=self.config.pids_limit, nano_cpus=self.config.nano_cpus, home_volume=volume)
 
-    async def new_volume(self, user_id: str, chat_id: str, data_root_id: str) -> tuple[str, str]:
-        """Create the chat's volume with a fresh id; (name, id). A volume of that name that
-        exists already is never adopted: SANDBOX_UNRECORDED (the caller may clear leftovers first)."""
+    async def new_volume(self, user_id: str, chat_id: str, data_root_id: str) -> NewVolume:
+        """Create the chat's volume with a fresh id. A volume of that name that exists already
+        is never adopted: SANDBOX_UNRECORDED (the caller may clear leftovers first)."""
         name = volume_name(container_name(user_id, chat_id))
         volume_id = uuid.uuid4().hex
         labels = volume_labels(self.identity_labels(user_id, chat_id, data_root_id), volume_id)
         got = await self.engine.create_volume(name, labels)
         if got.labels.get(LABEL_VOLUME_ID) != volume_id:  # the engine returned an existing one
             raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"volume {name} exists without a record")
-        return name, volume_id
+        return NewVolume(name, volume_id, got.mountpoint)
 
     async def write_marker(self, container_id: str, user_id: str, chat_id: str, volume_id: str) -> None:
         await self.engine.put_root_file(container_id, MARKER_PATH,
                                         marker_bytes(digest("sandbox", user_id, chat_id), volume_id))
+
+    async def write_marker_on_host(self, volume: NewVolume, user_id: str, chat_id: str) -> bool:
+        """The marker written into the new volume's content from the host, before its container
+        is first started (sandbox_manager.volume_files); False: use :meth:`write_marker`."""
+        content = marker_bytes(digest("sandbox", user_id, chat_id), volume.volume_id)
+        return await anyio.to_thread.run_sync(put_root_file, volume.mountpoint, MARKER_PATH, content)
 
     def unsealed(self, rec: SandboxRecord, info: ContainerInfo) -> str | None:
         return unsealed(info, str(self.socket_dir(rec.user_id, rec.chat_id)))
@@ -137,3 +147,12 @@ class ChatContainers:
 
 def started_at(info: ContainerInfo) -> str:
     return str((info.attrs.get("State") or {}).get("StartedAt") or "")
+
+
+class NewVolume(NamedTuple):
+    """A chat's state volume, just created: its name, its random id (label and marker) and
+    where the engine keeps its content (None when the engine does not say)."""
+
+    name: str
+    volume_id: str
+    mountpoint: str | None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from sandbox_manager.chat_containers import ChatContainers
+from sandbox_manager.chat_containers import ChatContainers, NewVolume
 from sandbox_manager.engine import AGENT_HOME, ContainerInfo, ImageInfo, NotFound
 from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
 from sandbox_manager.replacement import BeforeReplace, Replacement, clear_leftover, retire_old, start_replacement
@@ -51,17 +51,17 @@ async def migrate(manager: ChatContainers, rec: SandboxRecord, current: ImageInf
     if old.name.lstrip("/") != name + ASIDE_SUFFIX:
         await manager.engine.rename(old.id, name + ASIDE_SUFFIX)
     await clear_leftover(manager, rec, volume_name(name))
-    vol, volume_id = await _fresh_volume(manager, rec)
-    info = await manager.disk.create(manager.spec(rec.user_id, rec.chat_id, rec.data_root_id, current, vol))
+    vol = await _fresh_volume(manager, rec)
+    info = await manager.disk.create(manager.spec(rec.user_id, rec.chat_id, rec.data_root_id, current, vol.name))
     await manager.engine.copy_tree(old.id, AGENT_HOME, info.id)
-    await manager.write_marker(info.id, rec.user_id, rec.chat_id, volume_id)
-    moved = rec.model_copy(update={"volume_name": vol, "volume_id": volume_id})
+    await manager.write_marker(info.id, rec.user_id, rec.chat_id, vol.volume_id)
+    moved = rec.model_copy(update={"volume_name": vol.name, "volume_id": vol.volume_id})
     done = await start_replacement(manager, moved, info, current, Replaced.MIGRATED, old.image_id)
     await _remove_old(manager, old)
     return done
 
 
-async def _fresh_volume(manager: ChatContainers, rec: SandboxRecord) -> tuple[str, str]:
+async def _fresh_volume(manager: ChatContainers, rec: SandboxRecord) -> NewVolume:
     """The chat's volume, new. One of that name with the chat's identity labels can only be
     a partial copy of an interrupted move (the record names no volume yet): it goes."""
     name = volume_name(container_name(rec.user_id, rec.chat_id))

@@ -214,8 +214,12 @@ class SandboxManager(ChatContainers, MemberProcesses):
         if existing is not None:
             # A container with this identity but no record: the store lost track of it.
             raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record")
-        vol, volume_id = await self.new_volume(user_id, chat_id, root)
-        info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol))
+        vol = await self.new_volume(user_id, chat_id, root)
+        info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol.name))
+        # The image's home was copied into the volume at the create, and nothing has run in
+        # the container yet: the marker goes straight into the volume's content (not the
+        # archive API's ~57 ms re-exec of the engine, which the start then waited behind)
+        marked = await self.write_marker_on_host(vol, user_id, chat_id)
         t = time.time()
         await self.engine.start(info.id)
         # Taken before the inspect: an event of the container after it drops what is put below.
@@ -226,19 +230,20 @@ class SandboxManager(ChatContainers, MemberProcesses):
         rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=info.id, container_name=name,
                             image_id=image.id, data_root_id=root, host_id=self.config.host_id,
                             state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
-                            volume_name=vol, volume_id=volume_id)
+                            volume_name=vol.name, volume_id=vol.volume_id)
 
         async def mark_and_record() -> None:
-            await self.write_marker(info.id, user_id, chat_id, volume_id)
+            if not marked:
+                await self.write_marker(info.id, user_id, chat_id, vol.volume_id)
             await self.store.put_sandbox(rec)
             self._changed(user_id, chat_id, SandboxState.RUNNING)
-            log.info("sandbox.created", container=name, volume=vol, image=image.id[:19], network="none")
+            log.info("sandbox.created", container=name, volume=vol.name, image=image.id[:19], network="none")
 
         await self._while_gate_comes_up(info, t, mark_and_record)
         # What a check of the next turn would establish holds by construction (this container,
         # of the checked image, in this data root, on its new volume, its marker written): the
         # chat's second turn is served from these facts, not from four engine calls (issue 16).
-        self.integrity.put(token, Facts(info, image, root, vol))
+        self.integrity.put(token, Facts(info, image, root, vol.name))
         return Sandbox(record=rec, container=info, image=image, created=True)
 
     async def _start_checked(self, rec: SandboxRecord, container_id: str) -> ContainerInfo:

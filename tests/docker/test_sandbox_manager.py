@@ -102,6 +102,36 @@ async def test_create_hardened_and_retained(manager: SandboxManager, docker_clie
     assert (code, out) == (0, b"kept\n")
 
 
+async def test_a_new_volumes_marker_is_written_from_the_host(manager: SandboxManager, monkeypatch) -> None:
+    """The marker goes into the new volume's content before its container first starts, not
+    through the archive API (issue 16: that call was ~57 ms of a ~265 ms create); where the
+    content cannot be reached from here, the archive API writes it."""
+    archived: list[str] = []
+    real_put = manager.engine.put_root_file
+
+    async def put_root_file(container_id: str, path: str, content: bytes, mode: int = 0o444) -> None:
+        archived.append(path)
+        await real_put(container_id, path, content, mode)
+
+    monkeypatch.setattr(manager.engine, "put_root_file", put_root_file)
+    for reachable in (True, False):
+        if not reachable:
+            monkeypatch.setattr("sandbox_manager.chat_containers.put_root_file", lambda *a: False)
+        user, chat = ids()
+        sb = await manager.resolve(user, chat)
+        manager.release(sb)
+        assert archived == ([] if reachable else [MARKER_PATH])
+        code, out = await manager.engine.exec_run(sb.container_id, ["stat", "-c", "%U %G %a", MARKER_PATH])
+        assert (code, out) == (0, b"root root 444\n")
+        assert json.loads(await manager.engine.read_file(sb.container_id, MARKER_PATH)) == \
+            {"identity": digest("sandbox", user, chat), "volume_id": sb.record.volume_id}
+        # the next start reads it through the gate and finds it the chat's
+        assert await manager.stop(user, chat)
+        again = await manager.resolve(user, chat)
+        manager.release(again)
+        assert again.container_id == sb.container_id and again.started
+
+
 async def test_attached_exec_round_trip_and_group_kill(manager: SandboxManager) -> None:
     user, chat = ids()
     sb = await manager.resolve(user, chat)
@@ -325,7 +355,7 @@ async def test_an_interrupted_migration_is_redone(manager: SandboxManager, docke
     dirs = manager.member_dirs("m1")
     old = await legacy_sandbox(manager, user, chat, [FileEntry(f"{dirs.home}/state", b"whole\n")], running=False)
     docker_client.api.rename(old.container_id, f"{old.container_name}-premigration")
-    vol, _ = await manager.new_volume(user, chat, old.data_root_id)
+    vol = (await manager.new_volume(user, chat, old.data_root_id)).name
     partial = await manager.engine.create(manager.spec(user, chat, old.data_root_id,
                                                        await manager.engine.image(old.image_id), vol))
     sb = await manager.resolve(user, chat)

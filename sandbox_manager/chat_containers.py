@@ -31,6 +31,7 @@ from sandbox_manager.identity import (
     container_name,
     digest,
 )
+from sandbox_manager.integrity import IntegrityFacts
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sealing import MODEL_DIR, MODEL_GATE_COMMAND, GateReport, unsealed, wait_gate
 from sandbox_manager.uses import ContainerUses
@@ -56,13 +57,22 @@ class ChatContainers:
         # of a running container cannot change, so one read per start is enough)
         self._marker_seen: dict[str, str] = {}
         self.disk = DiskBound(engine, store, config.disk_bytes)
+        # kept fresh by the engine's events while the supervisor runs IntegrityFacts.follow
+        self.integrity = IntegrityFacts(engine)
 
     async def data_root_id(self) -> str:
-        """The engine data root's identity, created on first use. Never cached: the data root
-        can be swapped under a running daemon, and new sandboxes must carry the current one."""
+        """The engine data root's identity, created on first use: what a new sandbox is labelled
+        with. Kept between calls only as the engine's event stream allows (any event of the
+        marker volume, an engine restart, a gap in the stream drops it: a data root swapped
+        under a running daemon comes with one of those). A turn's check of an existing sandbox
+        reads :meth:`current_data_root_id` instead."""
+        if (known := self.integrity.engine_fact("data_root")) is not None:
+            return str(known)
+        token = self.integrity.engine_token()
         ident = await self.engine.data_root_identity(create=True)
         if not ident:
             raise RuntimeError("the engine data root has no identity and none could be created")
+        self.integrity.put_engine_fact(token, "data_root", ident)
         return ident
 
     async def current_data_root_id(self) -> str | None:
@@ -97,6 +107,17 @@ class ChatContainers:
         problems = check_image_labels(img.labels, pins=self.config.pins, require_helper=self.config.require_helper)
         if problems:
             raise ImageRefused(f"image {ref} ({img.id[:19]}) refused: " + "; ".join(problems))
+        return img
+
+    async def image_for_new_sandbox(self, ref: str) -> ImageInfo:
+        """:meth:`checked_image`, kept between new sandboxes until any image event
+        (sandbox_manager.integrity). A refused image is never kept: every call refuses it anew.
+        A turn's check of an existing sandbox asks the engine every time."""
+        if (known := self.integrity.engine_fact(f"image:{ref}")) is not None:
+            return known  # type: ignore[no-any-return]
+        token = self.integrity.engine_token()
+        img = await self.checked_image(ref)
+        self.integrity.put_engine_fact(token, f"image:{ref}", img)
         return img
 
     def check_identity(self, rec: SandboxRecord, info: ContainerInfo) -> None:

@@ -39,7 +39,7 @@ from sandbox_manager.chat_containers import ChatContainers, started_at
 from sandbox_manager.disk_bound import DISK_QUOTA
 from sandbox_manager.engine import ContainerInfo, Engine, ImageInfo, NotFound
 from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
-from sandbox_manager.integrity import Facts, IntegrityFacts
+from sandbox_manager.integrity import Facts
 from sandbox_manager.member_processes import MemberProcesses
 from sandbox_manager.migration import ASIDE_SUFFIX, migrate
 from sandbox_manager.replacement import BeforeReplace, Replacement, replace
@@ -76,8 +76,6 @@ class SandboxManager(ChatContainers, MemberProcesses):
         super().__init__(engine, store, config)
         self._chat_locks: dict[tuple[str, str], anyio.Lock] = {}
         self._watchers: list[SandboxWatcher] = []
-        # kept fresh by the engine's events while the supervisor runs IntegrityFacts.follow
-        self.integrity = IntegrityFacts(engine)
 
     def watch(self, watcher: SandboxWatcher) -> None:
         """Call ``watcher(user_id, chat_id, state)`` whenever this manager runs, stops or loses a sandbox."""
@@ -204,7 +202,8 @@ class SandboxManager(ChatContainers, MemberProcesses):
     # -- create and remove -----------------------------------------------------------------------
 
     async def _create(self, user_id: str, chat_id: str) -> Sandbox:
-        image = await self.checked_image(self.config.image)
+        # both kept from the last new sandbox while the engine's events say nothing changed them
+        image = await self.image_for_new_sandbox(self.config.image)
         root = await self.data_root_id()
         name = container_name(user_id, chat_id)
         try:
@@ -224,27 +223,32 @@ class SandboxManager(ChatContainers, MemberProcesses):
         await self.engine.start(info.id)
         # Taken before the inspect: an event of the container after it drops what is put below.
         token = self.integrity.token(info.id)
-        info = await self.engine.inspect(info.id)
-        self.saw_marker(info)
-        ts = now()
-        rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=info.id, container_name=name,
-                            image_id=image.id, data_root_id=root, host_id=self.config.host_id,
-                            state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
-                            volume_name=vol.name, volume_id=vol.volume_id)
+        made: tuple[ContainerInfo, SandboxRecord] | None = None
 
-        async def mark_and_record() -> None:
+        async def inspect_mark_and_record() -> None:
+            nonlocal made
+            started = await self.engine.inspect(info.id)
+            self.saw_marker(started)
+            ts = now()
+            rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=started.id, container_name=name,
+                                image_id=image.id, data_root_id=root, host_id=self.config.host_id,
+                                state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
+                                volume_name=vol.name, volume_id=vol.volume_id)
             if not marked:
-                await self.write_marker(info.id, user_id, chat_id, vol.volume_id)
+                await self.write_marker(started.id, user_id, chat_id, vol.volume_id)
             await self.store.put_sandbox(rec)
+            made = started, rec
             self._changed(user_id, chat_id, SandboxState.RUNNING)
             log.info("sandbox.created", container=name, volume=vol.name, image=image.id[:19], network="none")
 
-        await self._while_gate_comes_up(info, t, mark_and_record)
+        await self._while_gate_comes_up(info, t, inspect_mark_and_record)
+        assert made is not None  # the work finished, or its failure was raised
+        started, rec = made
         # What a check of the next turn would establish holds by construction (this container,
         # of the checked image, in this data root, on its new volume, its marker written): the
         # chat's second turn is served from these facts, not from four engine calls (issue 16).
-        self.integrity.put(token, Facts(info, image, root, vol.name))
-        return Sandbox(record=rec, container=info, image=image, created=True)
+        self.integrity.put(token, Facts(started, image, root, vol.name))
+        return Sandbox(record=rec, container=started, image=image, created=True)
 
     async def _start_checked(self, rec: SandboxRecord, container_id: str) -> ContainerInfo:
         """Start a stopped container, its model gate up, and check its volume's marker from the
@@ -290,13 +294,14 @@ class SandboxManager(ChatContainers, MemberProcesses):
         return info
 
     async def _while_gate_comes_up(self, info: ContainerInfo, since: float, work: Callable[[], Awaitable[None]]) -> None:
-        """``work`` (the volume's marker, then the record) while the container's model gate comes
-        up: each is tens of milliseconds of engine time, the create path's two largest after the
-        start itself (issue 16: create+start was 1.8x the raw SDK's). ``work`` always finishes —
+        """``work`` (the started container's inspect, then the record) while the container's model
+        gate comes up: the gate's line comes ~6 ms after the start returns, an inspect takes ~2 ms
+        and the record's commit as long (issue 16: create+start was 1.8x the raw SDK's). ``work`` always finishes —
         a gate that never reports listening must not leave a started container unrecorded (its
         chat would be LOST as ``sandbox_unrecorded``) — and the gate's failure is raised after it.
-        The marker is written to the started container: nothing in it reads the marker, and the
-        record that makes the container the chat's is still written only after it."""
+        A marker that could not be written from the host is written here, to the started
+        container: nothing in it reads the marker, and the record that makes the container the
+        chat's is still written only after it."""
         gate_failed: ModelGateNotReady | None = None
         failure: BaseException | None = None
 

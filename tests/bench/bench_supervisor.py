@@ -20,7 +20,8 @@ daemon's loop as before), one loopback fixture, the pinned image. Per CLI:
 4. Throughput: ``--chats`` chats × ``--rounds`` LIVE turns dispatched concurrently through the
    daemon ÷ the same number of bare sessions (one per chat container) driven concurrently.
 
-Once: sandbox create+start (SandboxManager.resolve of a new chat) ÷ raw SDK create+start.
+Once: sandbox create+start (SandboxManager.resolve of a new chat) ÷ raw SDK create+start of a bare
+container, and ÷ the engine calls that make the same sandbox (volume, container spec, start).
 With bench mode available (``TestHooks.turn_trace``) it also prints the median per-phase
 breakdown of the daemon's LIVE turns. The load average is printed with the figures.
 """
@@ -456,16 +457,29 @@ def budget_retirements(sup: Any) -> dict[str, float]:
     return out
 
 
-async def bench_create(sup: Any, image: str, n: int) -> tuple[list[float], list[float]]:
+async def bench_create(sup: Any, image: str, n: int) -> tuple[list[float], list[float], list[float]]:
+    """A new chat's sandbox three ways, alternated: the manager's resolve (checks, volume,
+    marker, record, the gate's ready line); the engine calls that make the same sandbox and
+    nothing else (its volume, its container spec, the start: what the manager adds on top of
+    them); the raw SDK's create+start of a bare container of the image (the issue's baseline)."""
     client = docker.from_env()
-    mgr, raw = [], []
+    mgr, same, raw = [], [], []
     for _ in range(n):
         chat = f"fresh-{uuid.uuid4().hex[:8]}"
         await sup.model_path.open("bench", chat)
         t = time.perf_counter()
         s = await sup.manager.resolve("bench", chat)
         mgr.append((time.perf_counter() - t) * 1000)
+        sup.manager.release(s)
         client.api.remove_container(s.container_id, force=True)
+        client.api.remove_volume(s.record.volume_name)
+        spec = sup.manager.spec("bench", chat, s.record.data_root_id, s.image, s.record.volume_name)
+        t = time.perf_counter()
+        await sup.manager.engine.create_volume(s.record.volume_name, {})
+        info = await sup.manager.engine.create(spec)
+        await sup.manager.engine.start(info.id)
+        same.append((time.perf_counter() - t) * 1000)
+        client.api.remove_container(info.id, force=True)
         client.api.remove_volume(s.record.volume_name)
         t = time.perf_counter()
         c = client.containers.create(image, command=["sleep", "infinity"], init=True, network_mode="none",
@@ -473,7 +487,7 @@ async def bench_create(sup: Any, image: str, n: int) -> tuple[list[float], list[
         c.start()
         raw.append((time.perf_counter() - t) * 1000)
         c.remove(force=True)
-    return mgr, raw
+    return mgr, same, raw
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -500,7 +514,7 @@ async def main(args: argparse.Namespace) -> None:
                 d.remote = await RemoteClient.start(d.url, TOKEN, client_tg, lean=args.client == "lean")
             try:
                 # first, on a quiet host: after the throughput run the load average is ~15 for a while
-                create_mgr, create_raw = await bench_create(sup, image, max(3, args.n // 4))
+                create_mgr, create_same, create_raw = await bench_create(sup, image, max(3, args.n // 4))
                 create_load = load()
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
@@ -525,8 +539,9 @@ async def main(args: argparse.Namespace) -> None:
     print(HEAD)
     for runtime, r in results.items():
         print(row(runtime, r))
-    print(f"create+start: manager {statistics.median(create_mgr):.1f} ms, raw SDK {statistics.median(create_raw):.1f}"
-          f" ms, ratio {statistics.median(create_mgr) / statistics.median(create_raw):.3f} (load {create_load})")
+    m, same, raw = (statistics.median(xs) for xs in (create_mgr, create_same, create_raw))
+    print(f"create+start: manager {m:.1f} ms, raw SDK {raw:.1f} ms, ratio {m / raw:.3f}; the same sandbox's engine "
+          f"calls (volume, create, start) {same:.1f} ms, ratio {m / same:.3f} (load {create_load})")
     print_phases(results)
 
 

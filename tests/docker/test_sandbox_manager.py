@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import uuid
@@ -130,6 +131,47 @@ async def test_a_new_volumes_marker_is_written_from_the_host(manager: SandboxMan
         again = await manager.resolve(user, chat)
         manager.release(again)
         assert again.container_id == sb.container_id and again.started
+
+
+async def test_new_sandboxes_take_the_image_check_and_data_root_from_event_fed_facts(manager: SandboxManager,
+                                                                                   docker_client, sandbox_image) -> None:
+    """While the engine's event stream is followed, the image check and the data root identity
+    are asked of the engine once, not for every new sandbox (issue 16); a tag moved in the
+    engine (an image event) makes the next new sandbox ask again."""
+    asked: list[str] = []
+    engine = manager.engine
+    real_image, real_root = engine.image, engine.data_root_identity
+
+    async def image(ref: str):
+        asked.append("image")
+        return await real_image(ref)
+
+    async def data_root_identity(*, create: bool):
+        asked.append("data_root")
+        return await real_root(create=create)
+
+    engine.image, engine.data_root_identity = image, data_root_identity  # type: ignore[method-assign]
+    retag = f"cloud-agent-test-retag-{uuid.uuid4().hex[:8]}"
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(manager.integrity.follow)
+        with anyio.fail_after(10):
+            while not manager.integrity.live:
+                await anyio.sleep(0.01)
+        try:
+            for n in range(3):
+                if n == 2:
+                    docker_client.images.get(sandbox_image).tag(retag, "x")
+                    with anyio.fail_after(10):
+                        while manager.integrity.engine_fact(f"image:{sandbox_image}") is not None:
+                            await anyio.sleep(0.01)
+                sb = await manager.resolve(*ids())
+                manager.release(sb)
+                assert sb.created and sb.record.data_root_id
+                assert asked == ["image", "data_root"] * (1 if n < 2 else 2), n
+        finally:
+            with contextlib.suppress(docker.errors.ImageNotFound):  # a run that failed before the tag
+                docker_client.images.remove(f"{retag}:x")
+            tg.cancel_scope.cancel()
 
 
 async def test_attached_exec_round_trip_and_group_kill(manager: SandboxManager) -> None:

@@ -237,3 +237,49 @@ async def test_a_stream_gap_drops_everything_and_reconnects(live) -> None:
     assert cache.get("c1", "root-1") is None
     await checked(cache)
     assert cache.get("c1", "root-1") == facts()
+
+
+def engine_checked(cache: IntegrityFacts) -> None:
+    token = cache.engine_token()
+    cache.put_engine_fact(token, "image:ref", ImageInfo(id="sha256:img", labels={}, tags=()))
+    cache.put_engine_fact(token, "data_root", "root-1")
+
+
+async def test_the_engines_own_facts_are_kept_while_live_and_dropped_by_any_image_event(live) -> None:
+    """The image check and the data root (a new sandbox's two engine calls): a tag moved onto
+    another image says ``tag``, so every image action drops them, not only delete and untag."""
+    cache, engine = live
+    engine_checked(cache)
+    assert (cache.engine_fact("image:ref").id, cache.engine_fact("data_root")) == ("sha256:img", "root-1")
+    await engine.emit("container", "die", "c9")  # another container's life changes neither
+    assert cache.engine_fact("data_root") == "root-1"
+    for action in ("tag", "import", "load", "pull", "delete", "untag"):
+        engine_checked(cache)
+        await engine.emit("image", action, "sha256:other")
+        assert (cache.engine_fact("image:ref"), cache.engine_fact("data_root")) == (None, None), action
+
+
+async def test_the_engines_own_facts_go_with_the_data_root_marker_and_the_stream(live) -> None:
+    cache, engine = live
+    engine_checked(cache)
+    await engine.emit("volume", "destroy", DATA_ROOT_VOLUME)
+    assert cache.engine_fact("data_root") is None
+    engine_checked(cache)
+    await engine.end()  # an engine restart (a swapped data root comes with one)
+    assert cache.engine_fact("data_root") is None and cache.engine_token() is None
+    engine_checked(cache)  # nothing is kept until the stream is back
+    assert cache.engine_fact("data_root") is None
+
+
+async def test_an_engine_check_that_raced_an_image_event_is_not_kept(live) -> None:
+    cache, engine = live
+    token = cache.engine_token()  # the image inspect under way ...
+    await engine.emit("image", "tag", "sha256:new")  # ... while the tag moves
+    cache.put_engine_fact(token, "image:ref", ImageInfo(id="sha256:img", labels={}, tags=()))
+    assert cache.engine_fact("image:ref") is None
+
+
+async def test_no_engine_fact_is_kept_without_a_stream() -> None:
+    cache = IntegrityFacts(object())  # type: ignore[arg-type]
+    engine_checked(cache)
+    assert (cache.engine_token(), cache.engine_fact("data_root")) == (None, None)

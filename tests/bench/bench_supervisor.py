@@ -507,10 +507,12 @@ async def main(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, Any]] = {}
     client = docker.from_env()
     with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
+        overrides: dict[str, Any] = {}
         if args.proxy_in_daemon:
-            settings = daemon_settings(Path(tmp) / "home", fx.base_url, image, proxy_process="daemon")
-        else:
-            settings = daemon_settings(Path(tmp) / "home", fx.base_url, image)
+            overrides["proxy_process"] = "daemon"
+        if args.resident_memory_mb:
+            overrides["resident_memory_mb"] = args.resident_memory_mb
+        settings = daemon_settings(Path(tmp) / "home", fx.base_url, image, **overrides)
         async with (running_daemon(settings, hooks=hooks, proxy_process=not args.proxy_in_daemon) as d,
                     anyio.create_task_group() as client_tg):
             sup = d.daemon.supervisor
@@ -638,6 +640,10 @@ if __name__ == "__main__":
                     help="CLOUD_AGENT_PROXY_PROCESS=daemon: the model proxy on the daemon's loop and store connection "
                          "instead of the service process production runs (which writes the wire ledger into the "
                          "same SQLite file from another process)")
+    ap.add_argument("--resident-memory-mb", type=int, default=None,
+                    help="the daemon's resident memory budget (CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the "
+                         "host's). The bare arm has none: 16 Kilo residents measured over 768 MiB each exceed half "
+                         "of 24 GiB, the daemon retires idle ones and their turns come back RESTORED")
     ap.add_argument("--client", choices=("process", "lean", "inline"), default="process",
                     help="the API client in a process of its own (as a host's clients are; httpx, or with `lean` "
                          "the leanest HTTP/1.1 client, see api_client.py) or on the daemon's loop")

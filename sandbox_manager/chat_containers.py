@@ -66,14 +66,13 @@ class ChatContainers:
         marker volume, an engine restart, a gap in the stream drops it: a data root swapped
         under a running daemon comes with one of those). A turn's check of an existing sandbox
         reads :meth:`current_data_root_id` instead."""
-        if (known := self.integrity.engine_fact("data_root")) is not None:
-            return str(known)
-        token = self.integrity.engine_token()
-        ident = await self.engine.data_root_identity(create=True)
-        if not ident:
-            raise RuntimeError("the engine data root has no identity and none could be created")
-        self.integrity.put_engine_fact(token, "data_root", ident)
-        return ident
+        async def created() -> str:
+            ident = await self.engine.data_root_identity(create=True)
+            if not ident:
+                raise RuntimeError("the engine data root has no identity and none could be created")
+            return ident
+
+        return await self.integrity.engine_fact_or("data_root", created)
 
     async def current_data_root_id(self) -> str | None:
         """Re-read from the engine: the data root may have been swapped. (Only a resident's
@@ -113,12 +112,7 @@ class ChatContainers:
         """:meth:`checked_image`, kept between new sandboxes until any image event
         (sandbox_manager.integrity). A refused image is never kept: every call refuses it anew.
         A turn's check of an existing sandbox asks the engine every time."""
-        if (known := self.integrity.engine_fact(f"image:{ref}")) is not None:
-            return known  # type: ignore[no-any-return]
-        token = self.integrity.engine_token()
-        img = await self.checked_image(ref)
-        self.integrity.put_engine_fact(token, f"image:{ref}", img)
-        return img
+        return await self.integrity.engine_fact_or(f"image:{ref}", lambda: self.checked_image(ref))
 
     def check_identity(self, rec: SandboxRecord, info: ContainerInfo) -> None:
         """The container is the recorded one: same id, the chat's identity labels."""
@@ -153,17 +147,20 @@ class ChatContainers:
         return NewVolume(name, volume_id, got.mountpoint)
 
     async def write_marker(self, container_id: str, user_id: str, chat_id: str, volume_id: str) -> None:
-        await self.engine.put_root_file(container_id, MARKER_PATH,
-                                        marker_bytes(digest("sandbox", user_id, chat_id), volume_id))
+        await self.engine.put_root_file(container_id, MARKER_PATH, _marker(user_id, chat_id, volume_id))
 
     async def write_marker_on_host(self, volume: NewVolume, user_id: str, chat_id: str) -> bool:
         """The marker written into the new volume's content from the host, before its container
         is first started (sandbox_manager.volume_files); False: use :meth:`write_marker`."""
-        content = marker_bytes(digest("sandbox", user_id, chat_id), volume.volume_id)
-        return await anyio.to_thread.run_sync(put_root_file, volume.mountpoint, MARKER_PATH, content)
+        return await anyio.to_thread.run_sync(put_root_file, volume.mountpoint, MARKER_PATH,
+                                              _marker(user_id, chat_id, volume.volume_id))
 
     def unsealed(self, rec: SandboxRecord, info: ContainerInfo) -> str | None:
         return unsealed(info, str(self.socket_dir(rec.user_id, rec.chat_id)))
+
+
+def _marker(user_id: str, chat_id: str, volume_id: str) -> bytes:
+    return marker_bytes(digest("sandbox", user_id, chat_id), volume_id)
 
 
 def started_at(info: ContainerInfo) -> str:

@@ -33,8 +33,9 @@ The follower (:meth:`IntegrityFacts.follow`) runs in the supervisor's task group
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -42,6 +43,8 @@ import structlog
 from sandbox_manager.engine import DATA_ROOT_VOLUME, ContainerInfo, Engine, ImageInfo
 
 log = structlog.get_logger("integrity")
+
+T = TypeVar("T")
 
 EVENT_FILTERS = {"type": ["container", "image", "volume", "daemon"]}
 # container actions that change nothing a check looks at (our own turns make them all the time),
@@ -144,6 +147,16 @@ class IntegrityFacts:
     def put_engine_fact(self, token: EngineToken | None, key: str, value: Any) -> None:
         if token is not None and token == self.engine_token():
             self._engine_facts[key] = value
+
+    async def engine_fact_or(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        """The kept fact ``key``, or ``fetch()``'s answer, kept unless an event raced it (a
+        ``fetch`` that raises keeps nothing)."""
+        if (known := self.engine_fact(key)) is not None:
+            return known  # type: ignore[no-any-return]
+        token = self.engine_token()
+        value = await fetch()
+        self.put_engine_fact(token, key, value)
+        return value
 
     def _destroyed_since(self, token: Token, container_id: str) -> bool:
         """The container was destroyed after ``token`` was taken (or too many were to tell)."""

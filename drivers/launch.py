@@ -54,8 +54,13 @@ class LaunchSpec(BaseModel):
     require_header: HeaderCheck | None = None
     inherit_env: bool = False  # local processes only: start from the parent environment
 
-    def launcher_argv(self, *, pidfile: str, launcher: Sequence[str] = (IN_SANDBOX_LAUNCHER,)) -> list[str]:
+    def launcher_argv(self, *, pidfile: str, launcher: Sequence[str] = (IN_SANDBOX_LAUNCHER,),
+                      await_listen: tuple[str, float] | None = None) -> list[str]:
+        """``await_listen`` (HOST:PORT, seconds): the CLI starts only once its model endpoint
+        listens (the launcher's ``model_gate_not_listening`` after the seconds)."""
         argv = [*launcher, "--pidfile", pidfile, "--cwd", self.cwd]
+        if await_listen is not None:
+            argv += ["--await-listen", await_listen[0], f"{await_listen[1]:g}"]
         for path in self.require_files:
             argv += ["--require-file", path]
         if self.require_header is not None:

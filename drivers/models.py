@@ -95,6 +95,7 @@ class HandshakeReason(StrEnum):
     LOCATOR_MISMATCH = "locator_mismatch"  # the CLI resumed or reported another session
     HELPER_VERSION = "helper_version"  # the in-sandbox helper is not the pinned version
     PROCESS_FAILED = "process_failed"  # the CLI died or refused before the handshake ended
+    MODEL_NOT_LISTENING = "model_not_listening"  # the launcher waited for the model endpoint in vain
 
 
 class _Event(BaseModel):

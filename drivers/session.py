@@ -197,6 +197,8 @@ class NativeSession(ABC):
             return HandshakeFailed(HandshakeReason.NATIVE_STATE_MISSING, json.dumps(exc.payload))
         if reason == "header_mismatch":
             return HandshakeFailed(HandshakeReason.LOCATOR_MISMATCH, json.dumps(exc.payload))
+        if reason == "model_gate_not_listening":
+            return HandshakeFailed(HandshakeReason.MODEL_NOT_LISTENING, json.dumps(exc.payload))
         return HandshakeFailed(HandshakeReason.PROCESS_FAILED, json.dumps(exc.payload))
 
     async def fork(self, at_turn: int | None = None) -> Locator:

@@ -62,7 +62,9 @@ class Keepers:
         await self.manager.prepare_files(sandbox, files, keep, [*spec.dirs, run_dir, dirs.home, dirs.workspace])
         paths = KeeperPaths.in_run_dir(run_dir)
         prefix = keeper_sandbox.run_prefix(paths, member=member_id, buffer_bytes=self.buffer_bytes)
-        argv = spec.launcher_argv(pidfile=paths.cli_pidfile, launcher=prefix)
+        # the CLI starts once the model gate listens: a new sandbox is handed over before it does
+        argv = spec.launcher_argv(pidfile=paths.cli_pidfile, launcher=prefix,
+                                  await_listen=self.manager.model_endpoint)
         # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
         channel = await keeper_sandbox.start(self.manager.engine, sandbox.container_id, argv, env=dict(spec.env),
                                              workdir="/home/agent")

@@ -22,6 +22,6 @@ async def start_in_sandbox(manager: SandboxManager, sandbox: Sandbox, dirs: Memb
     keep = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if not f.overwrite]
     await manager.prepare_files(sandbox, files, keep, [*spec.dirs, dirs.run_dir, dirs.home, dirs.workspace])
     pidfile = f"{dirs.run_dir}/{name}.pid"
-    argv = spec.launcher_argv(pidfile=pidfile)
+    argv = spec.launcher_argv(pidfile=pidfile, await_listen=manager.model_endpoint)
     # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
     return await manager.launch(sandbox, argv=argv, env=dict(spec.env), workdir="/home/agent", pidfile=pidfile)

@@ -385,6 +385,8 @@ class TurnRunner:
                 if ctx.upgraded_from is not None:
                     raise Refusal("upgrade_incompatible", detail=f"{hf.reason.value}: {hf.detail}") from None
                 raise Refusal(hf.reason.value) from None
+            if hf.reason == HandshakeReason.MODEL_NOT_LISTENING:  # as when the daemon waited for the gate itself
+                raise NotStarted("model_gate_not_ready", hf.detail) from None
             raise NotStarted(f"handshake_{hf.reason.value}", hf.detail) from None
         except TimeoutError:
             await self.pool.retire(key, "handshake timeout")

@@ -33,7 +33,7 @@ from sandbox_manager.identity import (
 )
 from sandbox_manager.integrity import IntegrityFacts
 from sandbox_manager.sandbox_config import SandboxConfig
-from sandbox_manager.sealing import MODEL_DIR, MODEL_GATE_COMMAND, GateReport, unsealed, wait_gate
+from sandbox_manager.sealing import MODEL_DIR, MODEL_GATE_COMMAND, MODEL_LISTEN, GateReport, unsealed, wait_gate
 from sandbox_manager.uses import ContainerUses
 from sandbox_manager.volumes import LABEL_VOLUME_ID, MARKER_PATH, marker_bytes, volume_labels, volume_name
 from sandbox_manager.volume_files import put_root_file
@@ -97,6 +97,13 @@ class ChatContainers:
 
     async def gate_ready(self, info: ContainerInfo, since: float) -> GateReport:
         return await wait_gate(self.engine, info, since=since, timeout_s=self.config.gate_ready_timeout_s)
+
+    @property
+    def model_endpoint(self) -> tuple[str, float]:
+        """What every CLI's launch waits for before the CLI starts (the launcher's
+        ``--await-listen``): the model gate listening, within the gate's timeout. A new
+        sandbox is handed over without waiting for the gate's line itself."""
+        return MODEL_LISTEN, self.config.gate_ready_timeout_s
 
     async def checked_image(self, ref: str) -> ImageInfo:
         try:

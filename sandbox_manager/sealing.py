@@ -18,10 +18,10 @@ from sandbox_manager.volumes import MARKER_PATH
 MODEL_DIR = "/run/cloud-agent/model"
 MODEL_SOCKET = f"{MODEL_DIR}/model.sock"
 MODEL_PORT = 18080
+MODEL_LISTEN = f"127.0.0.1:{MODEL_PORT}"
 MODEL_GATE_READY = "modelgate.listening"
 # --marker: the listening line carries the state volume's identity marker (GateReport)
-MODEL_GATE_COMMAND = ("ca-modelgate", "--socket", MODEL_SOCKET, "--listen", f"127.0.0.1:{MODEL_PORT}",
-                      "--marker", MARKER_PATH)
+MODEL_GATE_COMMAND = ("ca-modelgate", "--socket", MODEL_SOCKET, "--listen", MODEL_LISTEN, "--marker", MARKER_PATH)
 
 
 class ModelGateNotReady(Exception):

@@ -215,6 +215,46 @@ async def test_launch_precheck_failure_is_a_line(manager: SandboxManager) -> Non
     assert await manager.engine.exec_exit_code(proc.stream.exec_id) == 3
 
 
+async def test_a_new_sandbox_is_handed_over_without_waiting_for_its_gate_and_a_launch_waits_for_it(
+        manager: SandboxManager, monkeypatch) -> None:
+    """Issue 16: the gate's listening line came 6-9 ms after the start, and a new sandbox's
+    resolve waited for it. Now the launcher waits for the gate instead (``--await-listen``,
+    read from the sandbox's own /proc/net/tcp as the agent): a new sandbox's resolve reads no
+    log line, a restart still does (the marker's verdict comes from it)."""
+    waited: list[str] = []
+    real_wait = manager.engine.wait_log_line
+
+    async def wait_log_line(container_id: str, *args, **kwargs):
+        waited.append(container_id)
+        return await real_wait(container_id, *args, **kwargs)
+
+    monkeypatch.setattr(manager.engine, "wait_log_line", wait_log_line)
+    user, chat = ids()
+    sb = await manager.resolve(user, chat)
+    manager.release(sb)
+    assert waited == []
+    addr, timeout_s = manager.model_endpoint
+    assert (addr, timeout_s) == ("127.0.0.1:18080", manager.config.gate_ready_timeout_s)
+    for listen, out in ((addr, b"started"), ("127.0.0.1:18081", None)):
+        argv = ["ca-launch", "--pidfile", "/home/agent/x.pid", "--await-listen", listen, "0.3", "--",
+                "echo", "started"]
+        proc = await manager.launch(sb, argv=argv, env={}, workdir="/home/agent", pidfile="/home/agent/x.pid")
+        with anyio.fail_after(10):
+            line = await proc.stream.receive()
+            assert await proc.stream.receive() is None
+        if out is not None:
+            assert line == out
+            assert await manager.engine.exec_exit_code(proc.stream.exec_id) == 0
+        else:
+            assert json.loads(line) == {"type": "launch_error", "reason": "model_gate_not_listening",
+                                        "address": listen, "detail": f"nothing listened on {listen} within 0.3s"}
+            assert await manager.engine.exec_exit_code(proc.stream.exec_id) == 3
+    assert await manager.stop(user, chat)
+    again = await manager.resolve(user, chat)
+    manager.release(again)
+    assert again.started and waited == [sb.container_id]
+
+
 async def lost(manager: SandboxManager, user: str, chat: str) -> tuple[LostReason, str]:
     with pytest.raises(SandboxLost) as err:
         await manager.resolve(user, chat)

@@ -42,6 +42,10 @@ class NotFound(EngineError):
     pass
 
 
+class Conflict(EngineError):
+    """The engine answered 409: at a create, the name is another container's."""
+
+
 @dataclass(frozen=True)
 class Mount:
     """A host directory bind-mounted into the container."""
@@ -206,6 +210,8 @@ class DockerEngine:
                 return fn(self.client, *args, **kwargs)
             except docker.errors.NotFound as exc:
                 raise NotFound(str(exc)) from exc
+            except docker.errors.APIError as exc:
+                raise (Conflict if exc.status_code == 409 else EngineError)(str(exc)) from exc
             except docker.errors.DockerException as exc:
                 raise EngineError(str(exc)) from exc
 
@@ -259,8 +265,7 @@ class DockerEngine:
                          **({spec.home_volume: {"bind": AGENT_HOME, "mode": "rw"}} if spec.home_volume else {})},
                 **({"storage_opt": {"size": str(spec.disk_bytes)}} if spec.disk_bytes else {}),
             )
-            c.reload()  # an engine round trip too: in this worker thread, not on the loop
-            return _to_info(c)
+            return _to_info(c)  # the SDK's create inspects what it made: no second inspect
 
         return await self._call(run)
 

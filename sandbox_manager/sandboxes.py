@@ -37,7 +37,7 @@ import structlog
 
 from sandbox_manager.chat_containers import ChatContainers, started_at
 from sandbox_manager.disk_bound import DISK_QUOTA
-from sandbox_manager.engine import ContainerInfo, Engine, ImageInfo, NotFound
+from sandbox_manager.engine import Conflict, ContainerInfo, Engine, ImageInfo, NotFound
 from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
 from sandbox_manager.integrity import Facts
 from sandbox_manager.member_processes import MemberProcesses
@@ -206,15 +206,16 @@ class SandboxManager(ChatContainers, MemberProcesses):
         image = await self.image_for_new_sandbox(self.config.image)
         root = await self.data_root_id()
         name = container_name(user_id, chat_id)
+        vol = await self.new_volume(user_id, chat_id, root)  # an existing volume: SANDBOX_UNRECORDED
         try:
-            existing = await self.engine.inspect(name)
-        except NotFound:
-            existing = None
-        if existing is not None:
-            # A container with this identity but no record: the store lost track of it.
-            raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record")
-        vol = await self.new_volume(user_id, chat_id, root)
-        info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol.name))
+            info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol.name))
+        except Conflict:
+            # A container with this identity but no record: the store lost track of it. Asked
+            # by the create itself (its name is taken), not by an inspect before every new
+            # sandbox (issue 16); the volume just made for it goes again, nothing ran on it.
+            with anyio.CancelScope(shield=True):
+                await self.engine.remove_volume(vol.name)
+            raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record") from None
         # The image's home was copied into the volume at the create, and nothing has run in
         # the container yet: the marker goes straight into the volume's content (not the
         # archive API's ~57 ms re-exec of the engine, which the start then waited behind)

@@ -255,6 +255,39 @@ async def test_a_new_sandbox_is_handed_over_without_waiting_for_its_gate_and_a_l
     assert again.started and waited == [sb.container_id]
 
 
+async def test_a_container_without_a_record_is_found_by_the_create_itself(manager: SandboxManager,
+                                                                           docker_client) -> None:
+    """Issue 16: a new sandbox asked the engine for a container of its name before creating
+    one. The create's own conflict says it now: a new sandbox's only inspect is the started
+    container's, and a name taken by a container the store lost track of is still
+    SANDBOX_UNRECORDED, with no volume left behind for it."""
+    inspected: list[str] = []
+    real_inspect = manager.engine.inspect
+
+    async def inspect(ref: str):
+        inspected.append(ref)
+        return await real_inspect(ref)
+
+    manager.engine.inspect = inspect  # type: ignore[method-assign]
+    user, chat = ids()
+    sb = await manager.resolve(user, chat)
+    manager.release(sb)
+    assert inspected == [sb.container_id]
+    user, chat = ids()
+    name = container_name(user, chat)
+    stray = docker_client.containers.create(manager.config.image, ["true"], name=name, network_mode="none")
+    try:
+        with pytest.raises(SandboxLost) as lost_:
+            await manager.resolve(user, chat)
+        assert (lost_.value.reason, lost_.value.detail) == (LostReason.SANDBOX_UNRECORDED,
+                                                            f"{name} exists without a record")
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.volumes.get(volume_name(name))
+        assert docker_client.containers.get(name).id == stray.id  # not ours to remove
+    finally:
+        stray.remove(force=True)
+
+
 async def lost(manager: SandboxManager, user: str, chat: str) -> tuple[LostReason, str]:
     with pytest.raises(SandboxLost) as err:
         await manager.resolve(user, chat)

@@ -220,26 +220,32 @@ class SandboxManager(ChatContainers, MemberProcesses):
         # the container yet: the marker goes straight into the volume's content (not the
         # archive API's ~57 ms re-exec of the engine, which the start then waited behind)
         marked = await self.write_marker_on_host(vol, user_id, chat_id)
-        await self.engine.start(info.id)
-        # Taken before the inspect: an event of the container after it drops what is put below.
-        token = self.integrity.token(info.id)
-        # Not waited for here: the model gate's listening line (6-9 ms after the start, issue 16).
-        # Every CLI's launcher waits for the gate to listen before the CLI starts
-        # (ChatContainers.model_endpoint), and nothing reads the gate's report of the marker
-        # that was just written. A restart still waits for it (_start_checked: the marker's verdict).
-        # Shielded: a started container is recorded whatever interrupts its creator (unrecorded,
-        # its chat would be LOST as sandbox_unrecorded).
+        ts = now()
+        rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=info.id, container_name=name,
+                            image_id=image.id, data_root_id=root, host_id=self.config.host_id,
+                            state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
+                            volume_name=vol.name, volume_id=vol.volume_id)
+        # Shielded: a container that may have started is recorded whatever interrupts its creator
+        # (unrecorded, its chat would be LOST as sandbox_unrecorded).
         with anyio.CancelScope(shield=True):
+            if marked:
+                # Marked, the container is the chat's from its create on: its record is committed
+                # while the engine starts it (issue 16). A failed start leaves the record of a
+                # stopped container, which the next resolve starts and checks like any other.
+                await self._start_while_recording(info.id, rec)
+            else:
+                await self.engine.start(info.id)
+            # Taken before the inspect: an event of the container after it drops what is put below.
+            token = self.integrity.token(info.id)
+            # Not waited for here: the model gate's listening line (6-9 ms after the start). Every
+            # CLI's launcher waits for the gate to listen before the CLI starts
+            # (ChatContainers.model_endpoint), and nothing reads the gate's report of the marker
+            # just written. A restart still waits for it (_start_checked: the marker's verdict).
             started = await self.engine.inspect(info.id)
             self.saw_marker(started)
-            ts = now()
-            rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=started.id, container_name=name,
-                                image_id=image.id, data_root_id=root, host_id=self.config.host_id,
-                                state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
-                                volume_name=vol.name, volume_id=vol.volume_id)
             if not marked:
                 await self.write_marker(started.id, user_id, chat_id, vol.volume_id)
-            await self.store.put_sandbox(rec)
+                await self.store.put_sandbox(rec)  # only once the marker is there
         self._changed(user_id, chat_id, SandboxState.RUNNING)
         log.info("sandbox.created", container=name, volume=vol.name, image=image.id[:19], network="none")
         # What a check of the next turn would establish holds by construction (this container,
@@ -247,6 +253,30 @@ class SandboxManager(ChatContainers, MemberProcesses):
         # chat's second turn is served from these facts, not from four engine calls (issue 16).
         self.integrity.put(token, Facts(started, image, root, vol.name))
         return Sandbox(record=rec, container=started, image=image, created=True)
+
+    async def _start_while_recording(self, container_id: str, rec: SandboxRecord) -> None:
+        """The engine's start and the record's commit side by side; either failure is raised as
+        itself (the start's first), after both ended."""
+        recorded: Exception | None = None
+        start_failed: Exception | None = None
+
+        async def record() -> None:
+            nonlocal recorded
+            try:
+                await self.store.put_sandbox(rec)
+            except Exception as exc:  # raised below, as itself
+                recorded = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(record)
+            try:
+                await self.engine.start(container_id)
+            except Exception as exc:  # raised below, as itself (a task group would wrap it)
+                start_failed = exc
+        if start_failed is not None:
+            raise start_failed
+        if recorded is not None:
+            raise recorded
 
     async def _start_checked(self, rec: SandboxRecord, container_id: str) -> ContainerInfo:
         """Start a stopped container, its model gate up, and check its volume's marker from the

@@ -256,7 +256,7 @@ async def test_a_new_sandbox_is_handed_over_without_waiting_for_its_gate_and_a_l
 
 
 async def test_a_container_without_a_record_is_found_by_the_create_itself(manager: SandboxManager,
-                                                                           docker_client) -> None:
+                                                                           docker_client, monkeypatch) -> None:
     """Issue 16: a new sandbox asked the engine for a container of its name before creating
     one. The create's own conflict says it now: a new sandbox's only inspect is the started
     container's, and a name taken by a container the store lost track of is still
@@ -268,7 +268,7 @@ async def test_a_container_without_a_record_is_found_by_the_create_itself(manage
         inspected.append(ref)
         return await real_inspect(ref)
 
-    manager.engine.inspect = inspect  # type: ignore[method-assign]
+    monkeypatch.setattr(manager.engine, "inspect", inspect)
     user, chat = ids()
     sb = await manager.resolve(user, chat)
     manager.release(sb)

@@ -29,6 +29,7 @@ class Resident:
     kill: Callable[[], Awaitable[None]]  # kills the process group inside the sandbox
     aclose: Callable[[], Awaitable[None]]  # closes our end of the stream
     last_used: float = field(default_factory=time.monotonic)
+    made_ns: int = field(default_factory=time.time_ns)  # wall clock, before its CLI started
     host_init_pid: int | None = None  # the sandbox's init, seen from the host (memory readings)
     pgid: int | None = None  # in the sandbox, read from the pidfile once
     measured_bytes: int | None = None  # its process tree's peak RSS at the last reading (budgeted)

@@ -37,6 +37,7 @@ from runner.keepers import Keepers
 from runner.launch_slots import LaunchSlots
 from runner.hooks import TestHooks
 from runner.residents import Resident, ResidentPool
+from runner.stale_facts import RunAgain, recheck
 from runner.model_path import ModelPath
 from runner.transport import exec_transport
 from runner.turn_commit import commit_turn
@@ -217,24 +218,6 @@ class TurnRunner:
             if ctx.sandbox is not None:
                 self.manager.release(ctx.sandbox)
 
-    async def _lost_under(self, ctx: TurnContext, key: tuple[str, str, str]) -> Refusal | None:
-        """A resident's turn checked from the engine's events whose CLI link ended before any
-        output: the container may have gone just before the turn, its events not yet read. Ask
-        the engine; a lost sandbox is this turn's LOST refusal (SPEC 15), as if the events had
-        come first (the CLI said nothing, so the model was sent nothing through it)."""
-        job = ctx.job
-        if ctx.sandbox is not None:  # our use goes first: a replacement the check makes waits for its uses
-            self.manager.release(ctx.sandbox)
-            ctx.sandbox = None
-        try:
-            ctx.sandbox = await self.resolve_sandbox(job.user_id, job.chat_id)  # released with the turn
-        except SandboxLost as lost:
-            await self.pool.retire_where(lambda r: r.key[:2] == key[:2], "sandbox lost")
-            return Refusal(lost.reason.value, detail=lost.detail)
-        except (ImageRefused, ModelGateNotReady, SandboxRefused):
-            pass  # not lost: the turn's own outcome stands
-        return None
-
     async def _end_of_turn(self, job: Job, *, left: bool = False) -> None:
         """The member's requests no longer belong to ``job`` — unless the turn was ``left`` to
         the next daemon (this one is shutting down under it): the proxy service, which outlives
@@ -245,6 +228,13 @@ class TurnRunner:
             await self.model_path.end(job)
 
     async def _execute(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
+        try:
+            return await self._prepare_and_run(ctx, key)
+        except RunAgain as again:  # once: the second preparation checks against the engine
+            log.info("turn.runs_again", job_id=ctx.job.job_id, reason=str(again))
+            return await self._prepare_and_run(ctx, key)
+
+    async def _prepare_and_run(self, ctx: TurnContext, key: tuple[str, str, str]) -> Receipt:
         emit = ctx.emit
         try:
             session = await self._prepare(ctx, key)
@@ -453,6 +443,7 @@ class TurnRunner:
             await input_ready()
         mark("before_input")
         t = time.monotonic()
+        ctx.input_ns = time.time_ns()
         outcome: Settlement | NotSettled
         try:
             # The driver enforces the turn timeout itself (native interrupt first); this outer
@@ -485,7 +476,9 @@ class TurnRunner:
         ctx.compacted = bool(getattr(outcome, "compacted", False))
         if (isinstance(outcome, NotSettled) and outcome.reason == NotSettledReason.TRANSPORT_CLOSED and first
                 and ctx.sandbox is not None and ctx.sandbox.from_events):
-            lost = await self._lost_under(ctx, key)
+            assert resident is not None  # a turn checked from the events' facts runs on a resident
+            lost = await recheck(ctx, key, resident_made_ns=resident.made_ns, resolve=self.resolve_sandbox,
+                                 manager=self.manager, pool=self.pool)
             if lost is not None:
                 ctx.status = lost.status
                 await self.store.mark_member_lost(*key, lost.reason)

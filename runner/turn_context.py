@@ -91,6 +91,7 @@ class TurnContext:
     # belong to this job (awaited before the settle's flush too: the end follows the begin)
     claim_on_disk: Callable[[], Awaitable[None]] | None = None
     proxy_begun: Callable[[], Awaitable[None]] | None = None
+    input_ns: int | None = None  # wall clock just before the CLI's turn began (its message not yet written)
 
     def ms_since(self, t: float) -> int:
         return int((time.monotonic() - t) * 1000)

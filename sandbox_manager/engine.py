@@ -84,6 +84,11 @@ class ContainerInfo:
     def running(self) -> bool:
         return self.status == "running"
 
+    @property
+    def started_ns(self) -> int | None:
+        """When the engine last started it (``State.StartedAt``), ns since the epoch; None unknown."""
+        return _rfc3339_ns(str(self.attrs.get("State", {}).get("StartedAt") or ""))
+
 
 @dataclass(frozen=True)
 class ImageInfo:
@@ -140,6 +145,17 @@ def _to_info(c: Any) -> ContainerInfo:
     return ContainerInfo(id=c.id, name=c.name, status=attrs.get("State", {}).get("Status", c.status),
                          image_id=attrs.get("Image", ""), labels=dict(attrs.get("Config", {}).get("Labels") or {}),
                          attrs=attrs)
+
+
+def _rfc3339_ns(stamp: str) -> int | None:
+    """The engine's RFC 3339 time (UTC, up to nanoseconds) as ns since the epoch."""
+    day, _, frac = stamp.rstrip("Z").partition(".")
+    try:
+        seconds = int(datetime.fromisoformat(day + "+00:00").timestamp())
+    except ValueError:
+        return None
+    digits = (frac + "000000000")[:9]
+    return seconds * 1_000_000_000 + int(digits) if digits.isdigit() and seconds > 0 else None
 
 
 def _logged_after(line: bytes, since: float) -> bool:

@@ -27,12 +27,16 @@ Facts are only stored with a token taken *before* the check that produced them, 
 whose check raced an invalidating event is never kept. Without a live stream every turn
 inspects, exactly as before: the cache can only make a check cheaper, never weaker.
 
+The engine's events also say when a container stopped (:meth:`IntegrityFacts.stopped_between`):
+a resident's turn whose CLI link ended at once learns from them whether the container had
+stopped before the turn wrote its message, so that its CLI never read it (runner/turn.py).
+
 The follower (:meth:`IntegrityFacts.follow`) runs in the supervisor's task group.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -63,6 +67,9 @@ VOLUME_GONE = frozenset({"destroy", "create"})
 # removal (a host's other chats come and go, and its start-up probe's container goes as the
 # first chat's sandbox is created); a check that outlived more destroys than this is not kept
 RECENT_DESTROYS = 256
+
+# containers whose stops (``die``, or a ``destroy`` with no ``die`` before it) are remembered
+RECENT_STOPS = 256
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,11 @@ class IntegrityFacts:
         self.events_seen = 0
         self._engine_facts: dict[str, Any] = {}  # the engine's own: the image check, the data root
         self._image_events = 0
+        # per container (the last RECENT_STOPS): when each of its stops happened, ns since the epoch
+        # on the engine's clock, which is this host's (the engine is local: sandboxes mount the
+        # daemon's sockets from this host's file system)
+        self._stops: OrderedDict[str, list[int]] = OrderedDict()
+        self._stopped = anyio.Event()  # set (and replaced) whenever a stop is noted
 
     @property
     def live(self) -> bool:
@@ -158,6 +170,31 @@ class IntegrityFacts:
         self.put_engine_fact(token, key, value)
         return value
 
+    async def stopped_between(self, container_id: str, after_ns: int, before_ns: int, *, wait_s: float) -> bool:
+        """The container stopped after ``after_ns`` and before ``before_ns`` (wall clock, ns), by
+        the engine's own events. A stop the caller knows happened may not have been read yet: the
+        answer waits for a stop after ``after_ns`` up to ``wait_s``, and is False without one."""
+        with anyio.move_on_after(wait_s):
+            while True:
+                later = [t for t in self._stops.get(container_id, ()) if t > after_ns]
+                if later:
+                    return min(later) < before_ns
+                await self._stopped.wait()
+        return False
+
+    def _note_stop(self, container_id: str, action: str, event: dict[str, Any]) -> None:
+        when = event.get("timeNano")
+        if not isinstance(when, int):
+            return  # an engine that does not say when: no stop can be placed in time
+        stops = self._stops.pop(container_id, [])
+        if action == "die" or not stops:  # a destroy's processes stopped at its die, if one was seen
+            stops.append(when)
+        self._stops[container_id] = stops[-8:]
+        while len(self._stops) > RECENT_STOPS:
+            self._stops.popitem(last=False)
+        self._stopped.set()
+        self._stopped = anyio.Event()
+
     def _destroyed_since(self, token: Token, container_id: str) -> bool:
         """The container was destroyed after ``token`` was taken (or too many were to tell)."""
         since = self._destroyed - token.destroyed
@@ -192,6 +229,8 @@ class IntegrityFacts:
         action = str(event.get("Action") or event.get("status") or "").split(":", 1)[0]
         actor = (event.get("Actor") or {}).get("ID") or event.get("id") or ""
         if kind == "container":
+            if action in ("die", "destroy"):
+                self._note_stop(actor, action, event)
             if action == "destroy":
                 self.destroyed(actor)
             elif action not in HARMLESS:

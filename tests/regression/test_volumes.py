@@ -56,6 +56,49 @@ async def test_container_removed_restores_exact_history_in_a_new_container(runti
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_container_removed_whose_events_come_late_is_restored_within_the_next_turn(
+        runtime, daemon, fx, docker_client, monkeypatch) -> None:
+    """The engine's events of the removal reach the daemon only once the next turn has run on
+    the facts they would have spoiled (held back here until the turn asks for them; CI saw it
+    happen on its own): the turn's CLI link ends before any output, the container's die came
+    before the turn wrote its message, and the same turn is RESTORED on a new container with the
+    exact history (SPEC 15, issue 16) — not a LIVE not_settled."""
+    m = Member(daemon, fx, runtime)
+    await m.turn(token("first: remember the word anemone"), "NEW")
+    before = await m.turn(token("second: and the number 42"), "LIVE")
+    old = before.receipt["sandbox"]["container_id"]
+    integrity = daemon.daemon.supervisor.manager.integrity
+    apply, ask = integrity.apply, integrity.stopped_between
+    held: list[dict] = []
+    asked: list[str] = []
+
+    def hold(event: dict) -> None:
+        if (event.get("Actor") or {}).get("ID") == old:
+            held.append(event)
+        else:
+            apply(event)
+
+    async def late(container_id: str, *args, **kwargs) -> bool:
+        asked.append(container_id)
+        for event in held:  # the events reach the daemon now, while the turn asks
+            apply(event)
+        held.clear()
+        return await ask(container_id, *args, **kwargs)
+
+    monkeypatch.setattr(integrity, "apply", hold)
+    monkeypatch.setattr(integrity, "stopped_between", late)
+    docker_client.api.remove_container(old, force=True)
+    restored = await m.turn(token("the container was removed: what did I ask you to remember?"), "RESTORED")
+    assert asked == [old]
+    sb = restored.receipt["sandbox"]
+    assert sb["container_id"] != old and sb["recreated"] is True and sb["volume"] == before.receipt["sandbox"]["volume"]
+    assert restored.receipt["locator_before"] == restored.receipt["locator_after"] == before.receipt["locator_after"]
+    statuses = [e["context_status"] for e in restored.events if e.get("type") == "status"]
+    assert statuses == ["LIVE", "RESTORED"]
+    await m.turn(token("and once more"), "LIVE")
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
 async def test_a_sandbox_made_before_state_volumes_is_migrated_and_restored(runtime, daemon, fx,
                                                                             docker_client) -> None:
     m = Member(daemon, fx, runtime)

@@ -34,8 +34,11 @@ class FakeEvents:
         async with receive:
             yield receive
 
-    async def emit(self, kind: str, action: str, actor: str) -> None:
-        await self.send.send({"Type": kind, "Action": action, "Actor": {"ID": actor}})
+    async def emit(self, kind: str, action: str, actor: str, at_ns: int | None = None) -> None:
+        event: dict[str, Any] = {"Type": kind, "Action": action, "Actor": {"ID": actor}}
+        if at_ns is not None:
+            event["timeNano"] = at_ns
+        await self.send.send(event)
         await anyio.wait_all_tasks_blocked()
 
     async def end(self) -> None:
@@ -283,3 +286,52 @@ async def test_no_engine_fact_is_kept_without_a_stream() -> None:
     cache = IntegrityFacts(object())  # type: ignore[arg-type]
     engine_checked(cache)
     assert (cache.engine_token(), cache.engine_fact("data_root")) == (None, None)
+
+
+# -- when a container stopped (a resident's turn whose CLI link ended at once: runner/stale_facts.py)
+
+
+async def test_a_stop_is_placed_between_two_times_by_its_die_event(live) -> None:
+    cache, engine = live
+    await engine.emit("container", "die", "c1", at_ns=1_000)
+    await engine.emit("container", "destroy", "c1", at_ns=1_500)  # its processes stopped at the die
+    assert await cache.stopped_between("c1", 500, 1_200, wait_s=0) is True
+    assert await cache.stopped_between("c1", 500, 1_000, wait_s=0) is False  # not before: at
+    assert await cache.stopped_between("c1", 1_000, 9_000, wait_s=0) is False  # no stop after 1000 (the destroy is no later stop)
+    assert await cache.stopped_between("c2", 0, 9_000, wait_s=0) is False
+
+
+async def test_the_first_stop_after_the_start_time_decides(live) -> None:
+    """Stopped before the resident was made, started again, stopped after the message: the
+    resident's CLI was alive when the message was written."""
+    cache, engine = live
+    await engine.emit("container", "die", "c1", at_ns=100)
+    await engine.emit("container", "start", "c1", at_ns=150)
+    await engine.emit("container", "die", "c1", at_ns=900)
+    assert await cache.stopped_between("c1", 200, 800, wait_s=0) is False
+    assert await cache.stopped_between("c1", 200, 901, wait_s=0) is True
+
+
+async def test_a_destroy_without_a_die_seen_is_the_stop(live) -> None:
+    cache, engine = live
+    await engine.emit("container", "destroy", "c1", at_ns=700)
+    assert await cache.stopped_between("c1", 0, 701, wait_s=0) is True
+
+
+async def test_a_stop_not_read_yet_is_waited_for_and_an_event_without_a_time_places_nothing(live) -> None:
+    cache, engine = live
+    answers: list[bool] = []
+
+    async def ask() -> None:
+        answers.append(await cache.stopped_between("c1", 0, 5_000, wait_s=10))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            await anyio.wait_all_tasks_blocked()
+            await engine.emit("container", "die", "c1")  # no timeNano: cannot be placed in time
+            await engine.emit("container", "die", "c2", at_ns=10)  # another container's
+            assert answers == []
+            await engine.emit("container", "die", "c1", at_ns=4_000)
+    assert answers == [True]
+    assert await cache.stopped_between("c3", 0, 5_000, wait_s=0.05) is False  # never came: no

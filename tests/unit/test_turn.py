@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -294,6 +295,90 @@ async def test_a_resident_turn_on_facts_the_events_had_not_yet_spoiled_is_refuse
     assert (await rig.member()).lost_reason == "volume_missing"
     assert not rig.resident
     assert outcome(await rig.run("never sent")) == ("LOST", "refused", "previously_lost")
+
+
+async def keep_facts_of_the_first_sandbox(rig: Rig, first: Receipt) -> str:
+    """A live event stream (the fake engine has none) that kept the first turn's facts."""
+    from sandbox_manager.integrity import Facts
+
+    cid, rec = first.sandbox.container_id, await rig.store.get_sandbox(KEY[0], KEY[1])
+    integrity = rig.runner.manager.integrity
+    integrity._connection = 1
+    integrity.put(integrity.token(cid), Facts(await rig.engine.inspect(cid), await rig.engine.image(IMAGE),
+                                              rec.data_root_id, rec.volume_name))
+    return cid
+
+
+def link_ended_while(event_arrives: Callable[[], None]) -> Turn:
+    """The CLI's link ends before any output; the engine's late event reaches the daemon meanwhile."""
+
+    def turn(s: FakeSession) -> TurnOutcome:
+        event_arrives()
+        return NotSettled(reason=NotSettledReason.TRANSPORT_CLOSED, detail="fake: the link ended")
+
+    return turn
+
+
+def die_event(cid: str, at_ns: int) -> dict[str, Any]:
+    return {"Type": "container", "Action": "die", "Actor": {"ID": cid}, "timeNano": at_ns}
+
+
+async def test_a_resident_turn_whose_container_was_removed_before_it_runs_again_restored(rig: Rig) -> None:
+    """The container is removed (its volume kept) just before a resident's turn, and the engine's
+    events reach the daemon only while the turn runs: the turn was checked from stale facts and
+    its CLI link ended at once. The container's die came before the turn's message was written,
+    so the CLI never read it: the same turn runs again on the recreated container, RESTORED
+    through the resume handshake (SPEC 15), within that turn (issue 16)."""
+    rig.script.turns = [settled()]
+    first = await rig.run("one")
+    cid = await keep_facts_of_the_first_sandbox(rig, first)
+    removed_at = time.time_ns()
+    await rig.engine.remove(cid)
+    integrity = rig.runner.manager.integrity
+    rig.script.turns = [link_ended_while(lambda: integrity.apply(die_event(cid, removed_at))), settled()]
+    rig.events.clear()
+    again = await rig.run("two")
+    assert outcome(again) == ("RESTORED", "succeeded", None)
+    assert (again.sandbox.volume, again.sandbox.recreated) == (first.sandbox.volume, True)
+    assert again.sandbox.container_id != cid
+    assert again.locator_before == again.locator_after == first.locator_after
+    assert [(x.resume, x.expected) for x in rig.script.launches] == [(False, None), (True, Locator(id="minted-1"))]
+    assert rig.script.messages == ["one", "two", "two"]  # the first "two" went to the link that had ended
+    assert [e["context_status"] for e in rig.events if e["type"] == "status"] == ["LIVE", "RESTORED"]
+    m = await rig.member()
+    assert (m.settled_turns, m.last_status, m.lost_reason) == (2, "RESTORED", None)
+    assert rig.resident
+
+
+async def test_a_container_that_stopped_after_the_message_was_written_leaves_the_turn_not_settled(rig: Rig) -> None:
+    """Its die came after the turn wrote the message: the CLI may have read it (and its history
+    may hold it), so the turn is not run again; its not_settled stands and the next turn is
+    RESTORED on the recreated container."""
+    rig.script.turns = [settled()]
+    first = await rig.run("one")
+    cid = await keep_facts_of_the_first_sandbox(rig, first)
+    await rig.engine.remove(cid)
+    integrity = rig.runner.manager.integrity
+    rig.script.turns = [link_ended_while(lambda: integrity.apply(die_event(cid, time.time_ns()))), settled()]
+    stopped_later = await rig.run("two")
+    assert outcome(stopped_later) == ("LIVE", "not_settled", "transport_closed")
+    assert len(rig.script.launches) == 1 and rig.script.messages == ["one", "two"]
+    after = await rig.run("three")
+    assert outcome(after) == ("RESTORED", "succeeded", None)
+    assert after.sandbox.recreated is True and after.locator_after == first.locator_after
+
+
+async def test_a_stop_the_events_never_report_leaves_the_turn_not_settled(rig: Rig, monkeypatch) -> None:
+    import runner.stale_facts
+
+    monkeypatch.setattr(runner.stale_facts, "STOP_EVENT_WAIT_S", 0.05)
+    rig.script.turns = [settled()]
+    first = await rig.run("one")
+    cid = await keep_facts_of_the_first_sandbox(rig, first)
+    await rig.engine.remove(cid)
+    rig.script.turns = [link_ended_while(lambda: None)]
+    assert outcome(await rig.run("two")) == ("LIVE", "not_settled", "transport_closed")
+    assert len(rig.script.launches) == 1
 
 
 async def test_settled_turns_without_a_locator_are_lost(rig: Rig) -> None:

@@ -7,14 +7,19 @@ the host pids of every process in the sandbox; ``NSpid`` in ``/proc/<pid>/status
 each to its in-container pid, and ``/proc/<pid>/stat`` gives its process group and
 parent. A group's memory is the sum over its processes and their descendants (a child
 that left the group still belongs to the resident) of RSS (``VmRSS``) and of PSS
-(``smaps_rollup``). Everything here is blocking file I/O: call it in a worker thread.
+(``smaps_rollup``) — a child still in its parent's address space (a spawn before its exec,
+:mod:`sandbox_manager.shared_vm`) counted once, with its parent. Everything here is
+blocking file I/O: call it in a worker thread.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from sandbox_manager.shared_vm import same_vm
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,12 @@ class _Proc:
 
 
 class ProcMemory:
-    def __init__(self, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", pss: bool = True) -> None:
+    def __init__(self, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", pss: bool = True,
+                 shares_vm: Callable[[int, int], bool] = same_vm) -> None:
         self.proc = Path(proc)
         self.cgroup_root = Path(cgroup_root)
         self.pss = pss
+        self.same_vm = shares_vm  # host pids (parent, child): the child still runs in its parent's address space
 
     def available(self) -> bool:
         return (self.proc / "self" / "status").exists()
@@ -141,9 +148,11 @@ class ProcMemory:
                     if child.host_pid not in members:
                         members[child.host_pid] = child
                         todo.append(child)
-            rss = sum(p.rss_bytes for p in members.values())
-            hwm = sum(max(p.hwm_bytes, p.rss_bytes) for p in members.values())
-            pss_bytes = sum(self._pss(pid) for pid in members) if self.pss and pss else 0
+            own = [p for p in members.values()
+                   if not (p.ppid in members and self.same_vm(p.ppid, p.host_pid))]  # not a spawn before its exec
+            rss = sum(p.rss_bytes for p in own)
+            hwm = sum(max(p.hwm_bytes, p.rss_bytes) for p in own)
+            pss_bytes = sum(self._pss(p.host_pid) for p in own) if self.pss and pss else 0
             out[pgid] = GroupMemory(pgid=pgid, pids=len(members), rss_bytes=rss, pss_bytes=pss_bytes, hwm_bytes=hwm)
         return out
 

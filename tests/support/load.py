@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +35,11 @@ def cli_processes_of_container(init_pid: int) -> list[tuple[str, int]]:
     runs, resident or not, so the running-sandbox limit bounds it, not the resident budget). What
     is left is what the budget is for: the keepers, the CLIs, their children and any exec'd
     helper, read from the host's /proc and the cgroup — independently of the daemon's own
-    bookkeeping."""
+    bookkeeping. A child still in its parent's address space (a spawn before its exec: the
+    kernel's kcmp says so) holds no memory of its own and is not counted: /proc shows it with
+    its parent's RSS to the byte, and this sum read a Kilo turn's spawn as a second Kilo."""
     from sandbox_manager.proc_memory import ProcMemory
+    from sandbox_manager.shared_vm import same_vm
 
     reader = ProcMemory(pss=False)
     procs_file = reader.cgroup_procs_file(init_pid)
@@ -57,8 +61,8 @@ def cli_processes_of_container(init_pid: int) -> list[tuple[str, int]]:
     children = sorted((start, pid) for pid, ppid, _, start, _ in procs if ppid == init_pid)
     own = {init_pid} | ({children[0][1]} if children else set())
     out: list[tuple[str, int]] = []  # (name, rss bytes)
-    for _, _, pgrp, _, status in procs:
-        if pgrp in own:
+    for pid, ppid, pgrp, _, status in procs:
+        if pgrp in own or same_vm(ppid, pid):
             continue
         lines = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         if "VmRSS" in lines:
@@ -76,6 +80,9 @@ class MemorySampler:
     samples: int = 0
     # at the peak: (container, process name, rss) of every process counted
     peak_processes: list[tuple[str, str, int]] = field(default_factory=list)
+    # at the peak: what ``context()`` said (e.g. the daemon's own view of its budget)
+    peak_context: object = None
+    context: Callable[[], object] | None = None
     _inits: dict[str, int] = field(default_factory=dict)
 
     def _sample(self) -> int:
@@ -95,6 +102,7 @@ class MemorySampler:
             total = sum(rss for _, _, rss in counted)
             if total > self.peak_bytes:
                 self.peak_processes = counted
+                self.peak_context = self.context() if self.context is not None else None
             return total
         finally:
             client.close()

@@ -48,10 +48,12 @@ class RunAgain(Exception):
 Resolve = Callable[[str, str], Awaitable[Sandbox]]
 
 
-async def recheck(ctx: TurnContext, key: tuple[str, str, str], *, resident_made_ns: int, resolve: Resolve,
+async def recheck(ctx: TurnContext, key: tuple[str, str, str], *, resident_made_ns: int | None, resolve: Resolve,
                   manager: SandboxManager, pool: ResidentPool) -> Refusal | None:
     """The turn's LOST refusal, None (its own outcome stands), or RunAgain raised. ``ctx.sandbox``
-    is then the chat's sandbox as the engine has it now (or None after RunAgain)."""
+    is then the chat's sandbox as the engine has it now (or None after RunAgain).
+    ``resident_made_ns``: when the turn's resident was made (None: it was retired under the
+    turn, and no stop can be placed against it)."""
     job = ctx.job
     old = ctx.sandbox
     assert old is not None
@@ -65,6 +67,8 @@ async def recheck(ctx: TurnContext, key: tuple[str, str, str], *, resident_made_
     except (ImageRefused, ModelGateNotReady, SandboxRefused):
         return None  # not lost: the turn's own outcome stands
     now = ctx.sandbox
+    if resident_made_ns is None:
+        return None
     started = now.container.started_ns
     if (now.container_id == old.container_id and not (now.started or now.created or now.replaced)
             and started is not None and started < resident_made_ns):

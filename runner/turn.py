@@ -476,9 +476,8 @@ class TurnRunner:
         ctx.compacted = bool(getattr(outcome, "compacted", False))
         if (isinstance(outcome, NotSettled) and outcome.reason == NotSettledReason.TRANSPORT_CLOSED and first
                 and ctx.sandbox is not None and ctx.sandbox.from_events):
-            assert resident is not None  # a turn checked from the events' facts runs on a resident
-            lost = await recheck(ctx, key, resident_made_ns=resident.made_ns, resolve=self.resolve_sandbox,
-                                 manager=self.manager, pool=self.pool)
+            lost = await recheck(ctx, key, resident_made_ns=resident.made_ns if resident is not None else None,
+                                 resolve=self.resolve_sandbox, manager=self.manager, pool=self.pool)
             if lost is not None:
                 ctx.status = lost.status
                 await self.store.mark_member_lost(*key, lost.reason)

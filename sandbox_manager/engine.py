@@ -160,13 +160,8 @@ def _rfc3339_ns(stamp: str) -> int | None:
 
 def _logged_after(line: bytes, since: float) -> bool:
     """A ``timestamps=True`` log line (RFC 3339, nanoseconds) written at or after ``since``."""
-    stamp = line.split(b" ", 1)[0].decode(errors="replace")
-    try:
-        day, _, frac = stamp.rstrip("Z").partition(".")
-        t = datetime.fromisoformat(day + "+00:00").timestamp() + (float("0." + frac) if frac else 0.0)
-    except ValueError:
-        return False
-    return t >= since
+    t = _rfc3339_ns(line.split(b" ", 1)[0].decode(errors="replace"))
+    return t is not None and t / 1e9 >= since
 
 
 def _tar(files: list[FileEntry], dirs: list[str]) -> bytes:

@@ -111,6 +111,7 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
         init_pid = None
     runner.pool.add(Resident(key=key, runtime=rec.runtime, session=session, container_id=rec.container_id,
                              pidfile=handle.paths.pidfile,  # the keeper's group: it and the CLI's tree below it
+                             relay_socket=handle.paths.socket,
                              kill=lambda: keepers.kill(handle.container_id, handle.run_dir),
                              aclose=handle.channel.detach, keeper=handle, host_init_pid=init_pid))
     result.adopted.append(key)

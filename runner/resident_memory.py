@@ -90,7 +90,9 @@ class ResidentMemory:
                 by_init.setdefault(r.host_init_pid, []).append(r)
         out: dict[int, GroupMemory | None] = {}
         for init_pid, group in by_init.items():
-            found = self.reader.measure(init_pid, {r.pgid for r in group if r.pgid is not None}, pss=pss)
+            found = self.reader.measure(init_pid, {r.pgid for r in group if r.pgid is not None}, pss=pss,
+                                        relays={r.pgid: r.relay_socket for r in group
+                                                if r.pgid is not None and r.relay_socket})
             for r in group:
                 out[id(r)] = found.get(r.pgid) if r.pgid is not None else None
         return out

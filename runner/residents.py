@@ -30,6 +30,7 @@ class Resident:
     aclose: Callable[[], Awaitable[None]]  # closes our end of the stream
     last_used: float = field(default_factory=time.monotonic)
     made_ns: int = field(default_factory=time.time_ns)  # wall clock, before its CLI started
+    relay_socket: str | None = None  # the keeper's socket: its relay (our attached exec) is read with the tree
     host_init_pid: int | None = None  # the sandbox's init, seen from the host (memory readings)
     pgid: int | None = None  # in the sandbox, read from the pidfile once
     measured_bytes: int | None = None  # its process tree's peak RSS at the last reading (budgeted)

@@ -349,6 +349,7 @@ class TurnRunner:
                 session = driver.session(transport, launch)
                 resident = Resident(key=key, runtime=job.runtime, session=session, container_id=sandbox.container_id,
                                     pidfile=handle.paths.pidfile,  # the keeper's group: it and the CLI's tree below it
+                                    relay_socket=handle.paths.socket,
                                     kill=lambda: keepers.kill(handle.container_id, handle.run_dir),
                                     aclose=handle.channel.detach, keeper=handle, host_init_pid=host_init_pid)
             else:

@@ -8,14 +8,17 @@ each to its in-container pid, and ``/proc/<pid>/stat`` gives its process group a
 parent. A group's memory is the sum over its processes and their descendants (a child
 that left the group still belongs to the resident) of RSS (``VmRSS``) and of PSS
 (``smaps_rollup``) — a child still in its parent's address space (a spawn before its exec,
-:mod:`sandbox_manager.shared_vm`) counted once, with its parent. Everything here is
-blocking file I/O: call it in a worker thread.
+:mod:`sandbox_manager.shared_vm`) counted once, with its parent. A keeper's relay — the
+attached exec (``ca-keeper run|attach --socket PATH``) that carries the daemon's link to it,
+in a session of its own and not the keeper's child after a re-attach — belongs to the
+resident too: it lives as long as the link, and it is a Python process of ~12 MiB. Everything
+here is blocking file I/O: call it in a worker thread.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,10 +123,21 @@ class ProcMemory:
             pass
         return 0
 
-    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True) -> dict[int, GroupMemory]:
+    def _names_socket(self, host_pid: int, socket: str) -> bool:
+        try:
+            argv = (self.proc / str(host_pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        want = socket.encode()
+        return any(a == b"--socket" and b == want for a, b in zip(argv, argv[1:]))
+
+    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True,
+                relays: Mapping[int, str] | None = None) -> dict[int, GroupMemory]:
         """Memory of each named in-container process group (missing groups are left out).
         ``pss=False``: ``pss_bytes`` is 0, unread (``smaps_rollup`` walks every mapping of
-        every process: most of a reading's cost for Node CLIs)."""
+        every process: most of a reading's cost for Node CLIs). ``relays``: pgid -> its keeper's
+        socket; a process outside every named group whose command line names that socket
+        (``--socket PATH``) is counted with the group, with its descendants."""
         procs_file = self.cgroup_procs_file(init_pid)
         if procs_file is None:
             return {}
@@ -136,12 +150,17 @@ class ProcMemory:
         children: dict[int, list[_Proc]] = {}
         for p in procs:
             children.setdefault(p.ppid, []).append(p)
+        leaders = {pgid: by_ns[pgid] for pgid in pgids
+                   if pgid in by_ns and by_ns[pgid].pgrp == by_ns[pgid].host_pid}  # else gone, or a reused pid
+        grouped = {leader.host_pid for leader in leaders.values()}
+        # only processes of no named group can be relays: a keeper's own tree never reads as one
+        loose = [p for p in procs if p.pgrp not in grouped and p.ns_pid != 1] if relays else []
         out: dict[int, GroupMemory] = {}
-        for pgid in pgids:
-            leader = by_ns.get(pgid)
-            if leader is None or leader.pgrp != leader.host_pid:
-                continue  # gone, or the pid was reused by something that is not a group leader
+        for pgid, leader in leaders.items():
             members = {p.host_pid: p for p in procs if p.pgrp == leader.host_pid}
+            socket = (relays or {}).get(pgid)
+            if socket:
+                members.update({p.host_pid: p for p in loose if self._names_socket(p.host_pid, socket)})
             todo = list(members.values())
             while todo:
                 for child in children.get(todo.pop().host_pid, []):

@@ -44,11 +44,11 @@ def cli_processes_of_container(init_pid: int) -> list[tuple[str, int]]:
     reader = ProcMemory(pss=False)
     procs_file = reader.cgroup_procs_file(init_pid)
     if procs_file is None:
-        return 0
+        return []
     try:
         pids = [int(p) for p in procs_file.read_text().split()]
     except OSError:
-        return 0
+        return []
     procs: list[tuple[int, int, int, int, str]] = []  # (pid, ppid, pgrp, start time, status) per live process
     for pid in pids:
         try:

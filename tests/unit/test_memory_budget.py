@@ -126,12 +126,15 @@ class FakeReader:
     def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
         self.pss_asked: list[bool] = []  # each measure's pss argument
+        self.relays_asked: list[dict[int, str]] = []  # each measure's relays argument
 
     def read_pidfile(self, init_pid: int, path: str) -> int | None:
         return int(path.rsplit("/", 1)[1].split(".")[0])
 
-    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True) -> dict[int, GroupMemory]:
+    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True,
+                relays: dict[int, str] | None = None) -> dict[int, GroupMemory]:
         self.pss_asked.append(pss)
+        self.relays_asked.append(dict(relays or {}))
         return {p: GroupMemory(pgid=p, pids=1, rss_bytes=self.sizes[p] * MiB, pss_bytes=self.sizes[p] * MiB // 2 if pss else 0,
                             hwm_bytes=self.sizes[p] * MiB)
                 for p in pgids if p in self.sizes}
@@ -344,9 +347,10 @@ class CountingReader(FakeReader):
         super().__init__()
         self.reads = 0
 
-    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True) -> dict[int, GroupMemory]:
+    def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True,
+                relays: dict[int, str] | None = None) -> dict[int, GroupMemory]:
         self.reads += 1
-        return super().measure(init_pid, pgids, pss=pss)
+        return super().measure(init_pid, pgids, pss=pss, relays=relays)
 
 
 async def test_a_turn_that_fits_reads_nothing_and_one_that_does_not_retires_the_lru_idle_resident() -> None:
@@ -455,3 +459,14 @@ async def test_turns_are_not_held_behind_a_launch_that_waits_for_their_residents
     assert sorted(order[2:]) == ["b ended", "b runs", "launch goes"] and order.index("b runs") < order.index("b ended")
     assert sorted(k[2] for k in pool.keys()) == ["b"]
     assert 'cloud_agent_resident_memory_retirements_total{cause="launch"} 1.0' in generate_latest(registry).decode()
+
+
+async def test_a_reading_names_each_keepers_socket_so_its_relay_is_read_with_the_resident() -> None:
+    """A keeper's relay (the daemon's attached exec: ~12 MiB of Python per resident) is in a
+    session of its own; the reading finds it by the socket it names. The CI load test's
+    sampler counts it and the budget did not: a peak read 1200.3 MiB of 1200."""
+    pool, locks, reader, registry, mem = budget_rig(2000 * MiB)
+    resident(pool, reader, "a", 11, 100, last=1).relay_socket = "/home/agent/members/a/run/keeper.sock"
+    resident(pool, reader, "b", 12, 300, last=2)  # no keeper: a plain exec has no relay
+    await mem.refresh()
+    assert reader.relays_asked == [{11: "/home/agent/members/a/run/keeper.sock"}]

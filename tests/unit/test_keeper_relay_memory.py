@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from sandbox_manager.proc_memory import ProcMemory
+from sandbox_manager.proc_memory import GroupMemory, ProcMemory
 
 # each holds 32 MiB touched, prints "ready" and waits for its stdin to end
 HOLD = """
@@ -26,6 +27,18 @@ sys.stdin.read()
 def rss(pid: int) -> int:
     line = next(x for x in open(f"/proc/{pid}/status").read().splitlines() if x.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+
+
+def steady(expected: Callable[[], int], read: Callable[[], GroupMemory]) -> GroupMemory:
+    """A reading taken while the processes' RSS stood still (read the same before and after it):
+    a process that printed "ready" may still fault in a page or two on its way into its read."""
+    for _ in range(50):
+        before = expected()
+        found = read()
+        if expected() == before:
+            return found
+        time.sleep(0.05)
+    raise AssertionError("the processes' RSS never stood still")
 
 
 @pytest.fixture
@@ -48,9 +61,10 @@ def processes() -> Iterator[dict[str, int]]:
 def test_a_relay_naming_the_keepers_socket_is_read_with_its_group(processes) -> None:
     keeper, relay = processes["keeper"], processes["relay"]
     reader = ProcMemory(pss=False)
-    alone = reader.measure(keeper, {keeper})[keeper]
+    alone = steady(lambda: rss(keeper), lambda: reader.measure(keeper, {keeper})[keeper])
     assert (alone.pids, alone.rss_bytes) == (1, rss(keeper))
-    found = reader.measure(keeper, {keeper}, relays={keeper: "/run/a/keeper.sock"})[keeper]
+    found = steady(lambda: rss(keeper) + rss(relay),
+                   lambda: reader.measure(keeper, {keeper}, relays={keeper: "/run/a/keeper.sock"})[keeper])
     assert (found.pids, found.rss_bytes) == (2, rss(keeper) + rss(relay))
     assert found.rss_bytes > 64 * 1024 * 1024
 
@@ -59,5 +73,5 @@ def test_a_relay_of_another_socket_or_a_prefix_of_it_is_not(processes) -> None:
     keeper = processes["keeper"]
     reader = ProcMemory(pss=False)
     for socket in ("/run/c/keeper.sock", "/run/a/keeper", "/run/a/keeper.sock2"):
-        found = reader.measure(keeper, {keeper}, relays={keeper: socket})[keeper]
+        found = steady(lambda: rss(keeper), lambda: reader.measure(keeper, {keeper}, relays={keeper: socket})[keeper])
         assert (found.pids, found.rss_bytes) == (1, rss(keeper)), socket

@@ -55,10 +55,13 @@ class LaunchSpec(BaseModel):
     inherit_env: bool = False  # local processes only: start from the parent environment
 
     def launcher_argv(self, *, pidfile: str, launcher: Sequence[str] = (IN_SANDBOX_LAUNCHER,),
-                      await_listen: tuple[str, float] | None = None) -> list[str]:
+                      await_listen: tuple[str, float] | None = None, files_on_stdin: bool = False) -> list[str]:
         """``await_listen`` (HOST:PORT, seconds): the CLI starts only once its model endpoint
-        listens (the launcher's ``model_gate_not_listening`` after the seconds)."""
+        listens (the launcher's ``model_gate_not_listening`` after the seconds).
+        ``files_on_stdin``: the launcher writes the launch's files, sent first on its stdin."""
         argv = [*launcher, "--pidfile", pidfile, "--cwd", self.cwd]
+        if files_on_stdin:
+            argv.append("--files-on-stdin")
         if await_listen is not None:
             argv += ["--await-listen", await_listen[0], f"{await_listen[1]:g}"]
         for path in self.require_files:

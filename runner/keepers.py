@@ -17,8 +17,8 @@ import structlog
 
 from drivers.base import Launch
 from drivers.session import NativeSession, TurnStart
+from runner.processes import launch_files
 from sandbox_manager import keeper_sandbox
-from sandbox_manager.engine import FileEntry
 from sandbox_manager.keeper import KeeperChannel
 from sandbox_manager.keeper_identity import KeeperIdentity
 from sandbox_manager.keeper_sandbox import KeeperPaths
@@ -52,22 +52,21 @@ class Keepers:
         self.buffer_bytes = buffer_bytes
 
     async def start(self, sandbox: Sandbox, dirs: MemberDirs, launch: Launch, member_id: str) -> KeeperHandle:
-        """Write the launch's files, then start the keeper and its CLI (one attached exec)."""
+        """Start the keeper and its CLI, the launch's files written first (one attached exec)."""
         spec = launch.spec
-        files = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if f.overwrite]
-        keep = [FileEntry(f.path, f.content.encode(), f.mode) for f in spec.files if not f.overwrite]
         # The keeper's run dir is the member's own, not its home's: a fork that shares its
         # source's home (SPEC 8) has a keeper of its own beside the source's, on another socket.
         run_dir = self.manager.member_dirs(member_id).run_dir
-        await self.manager.prepare_files(sandbox, files, keep, [*spec.dirs, run_dir, dirs.home, dirs.workspace])
+        files = launch_files(launch, [run_dir, dirs.home, dirs.workspace])
         paths = KeeperPaths.in_run_dir(run_dir)
-        prefix = keeper_sandbox.run_prefix(paths, member=member_id, buffer_bytes=self.buffer_bytes)
+        prefix = keeper_sandbox.run_prefix(paths, member=member_id, buffer_bytes=self.buffer_bytes,
+                                           files_on_stdin=True)
         # the CLI starts once the model gate listens: a new sandbox is handed over before it does
         argv = spec.launcher_argv(pidfile=paths.cli_pidfile, launcher=prefix,
                                   await_listen=self.manager.model_endpoint)
         # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
         channel = await keeper_sandbox.start(self.manager.engine, sandbox.container_id, argv, env=dict(spec.env),
-                                             workdir="/home/agent")
+                                             workdir="/home/agent", files=files)
         return KeeperHandle(channel, paths, sandbox.container_id, run_dir)
 
     async def attach(self, rec: KeeperRecord) -> KeeperHandle:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ValidationError
 
 from sandbox_manager.engine import Engine, NotFound
+from sandbox_manager.exec_stream import ExecStreamClosed
 from sandbox_manager.keeper import ExecBytes, KeeperChannel
 from sandbox_manager.keeper_errors import KeeperProtocolError, KeeperUnavailable
 from sandbox_manager.keeper_identity import KeeperHello, KeeperIdentity
@@ -42,12 +43,15 @@ class KeeperStatus(BaseModel):
 
 
 def run_prefix(paths: KeeperPaths, *, member: str, tags: dict[str, str] | None = None,
-               buffer_bytes: int | None = None, linger_s: float | None = None,
+               buffer_bytes: int | None = None, linger_s: float | None = None, files_on_stdin: bool = False,
                keeper: Sequence[str] = (IN_SANDBOX_KEEPER,)) -> list[str]:
     """``ca-keeper run`` and its own options; append ca-launch's options and ``-- ARGV``
-    (``LaunchSpec.launcher_argv(pidfile=paths.cli_pidfile, launcher=run_prefix(...))``)."""
+    (``LaunchSpec.launcher_argv(pidfile=paths.cli_pidfile, launcher=run_prefix(...))``).
+    ``files_on_stdin``: the start's first bytes are the launch's files (:func:`start`'s ``files``)."""
     argv = [*keeper, "run", "--socket", paths.socket, "--keeper-pidfile", paths.pidfile, "--log", paths.log,
             "--member", member]
+    if files_on_stdin:
+        argv.append("--files-on-stdin")
     for key, value in sorted((tags or {}).items()):
         if not key or "=" in key:
             raise ValueError(f"tag name {key!r} must be non-empty and without '='")
@@ -91,10 +95,17 @@ def retire_argv(paths: KeeperPaths, grace_s: float = 3.0) -> list[str]:
 
 async def start(engine: Engine, container_id: str, argv: list[str], *, env: dict[str, str] | None = None,
                 workdir: str | None = None, timeout_s: float = 30.0,
-                auto_ack_bytes: int | None = None) -> KeeperChannel:
+                auto_ack_bytes: int | None = None, files: bytes | None = None) -> KeeperChannel:
     """Start a keeper and its CLI (``argv`` from :func:`run_prefix` + launch options) and
-    attach to it, all in one attached exec."""
+    attach to it, all in one attached exec. ``files``: the launch's files
+    (:func:`sandbox_manager.launch_files.encode`), sent first: ``run_prefix(files_on_stdin=True)``."""
     stream = await engine.exec_attached(container_id, argv, env=env, workdir=workdir)
+    if files is not None:
+        try:
+            await stream.send_raw(files)
+        except ExecStreamClosed as exc:
+            await stream.aclose()
+            raise KeeperUnavailable(f"the keeper's start took no files: {exc}") from exc
     return await KeeperChannel.open(ExecBytes(stream), from_offset=0,
                                     timeout_s=timeout_s, auto_ack_bytes=auto_ack_bytes)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from sandbox_manager.engine import AGENT_HOME, Engine, FileEntry, NotFound
+from sandbox_manager.engine import AGENT_HOME, Engine, NotFound
 from sandbox_manager.exec_stream import ExecStream
 from sandbox_manager.identity import LABEL_HOST, member_key
 from sandbox_manager.sandbox import Sandbox
@@ -52,21 +52,17 @@ class MemberProcesses:
         base = f"{MEMBERS_DIR}/{member_key(member_id)}"
         return MemberDirs(home=f"{base}/home", workspace=WORKSPACE, run_dir=f"{base}/run")
 
-    async def prepare_files(self, sandbox: Sandbox, files: list[FileEntry], keep: list[FileEntry],
-                            dirs: list[str]) -> None:
-        """Write config files; ``keep`` files are written only when absent (the CLI may edit them)."""
-        if keep:
-            script = 'for f in "$@"; do [ -e "$f" ] && printf "%s\\n" "$f"; done; exit 0'
-            code, out = await self.engine.exec_run(sandbox.container_id, ["sh", "-c", script, "sh",
-                                                                          *[f.path for f in keep]])
-            present = set(out.decode(errors="replace").splitlines())
-            files = files + [f for f in keep if f.path not in present]
-        if files or dirs:
-            await self.engine.put_files(sandbox.container_id, files, dirs)
-
     async def launch(self, sandbox: Sandbox, *, argv: list[str], env: dict[str, str], workdir: str,
-                     pidfile: str) -> MemberProcess:
+                     pidfile: str, files: bytes | None = None) -> MemberProcess:
+        """``files``: the launch's files (sandbox_manager.launch_files), sent first on its stdin
+        (``ca-launch --files-on-stdin`` writes them)."""
         stream = await self.engine.exec_attached(sandbox.container_id, argv, env=env, workdir=workdir)
+        if files is not None:
+            try:
+                await stream.send_raw(files)
+            except BaseException:
+                await stream.aclose()
+                raise
         return MemberProcess(container_id=sandbox.container_id, stream=stream, pidfile=pidfile)
 
     async def kill_group(self, container_id: str, pidfile: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 from images.identity import carries_bridge
 from images.pins import load_pins
 from sandbox_manager.engine import DockerEngine
+from sandbox_manager import launch_files
 from sandbox_manager.proc_memory import ProcMemory
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sandboxes import SandboxManager
@@ -41,10 +42,10 @@ async def sandbox(tmp_path, sandbox_image, docker_client):
 
 async def launch(mgr: SandboxManager, sb, name: str, script: str):
     dirs = mgr.member_dirs(name)
-    await mgr.prepare_files(sb, [], [], [dirs.run_dir])
     pidfile = f"{dirs.run_dir}/cli.pid"
-    argv = ["ca-launch", "--pidfile", pidfile, "--cwd", dirs.workspace, "--", "node", "-e", script]
-    proc = await mgr.launch(sb, argv=argv, env={}, workdir="/home/agent", pidfile=pidfile)
+    argv = ["ca-launch", "--pidfile", pidfile, "--cwd", dirs.workspace, "--files-on-stdin", "--", "node", "-e", script]
+    proc = await mgr.launch(sb, argv=argv, env={}, workdir="/home/agent", pidfile=pidfile,
+                            files=launch_files.encode([], [], [dirs.run_dir]))
     with anyio.fail_after(30):
         assert await proc.stream.receive() == b"ready"
     return proc

@@ -13,6 +13,7 @@ import pytest
 
 from images.identity import carries_bridge
 from images.pins import load_pins
+from sandbox_manager import launch_files
 from sandbox_manager.engine import ContainerInfo, DockerEngine, FileEntry
 from sandbox_manager.identity import LABEL_IDENTITY, LostReason, Replaced, SandboxLost, container_name, digest
 from sandbox_manager.sandbox import Sandbox
@@ -178,11 +179,12 @@ async def test_attached_exec_round_trip_and_group_kill(manager: SandboxManager) 
     user, chat = ids()
     sb = await manager.resolve(user, chat)
     dirs = manager.member_dirs("m1")
-    await manager.prepare_files(sb, [FileEntry(f"{dirs.home}/conf.json", b'{"a": 1}\n')], [], [dirs.run_dir])
+    files = launch_files.encode([FileEntry(f"{dirs.home}/conf.json", b'{"a": 1}\n')], [], [dirs.run_dir])
     pidfile = f"{dirs.run_dir}/cli.pid"
-    argv = ["ca-launch", "--pidfile", pidfile, "--cwd", dirs.workspace, "--",
+    argv = ["ca-launch", "--pidfile", pidfile, "--cwd", dirs.workspace, "--files-on-stdin", "--",
             "sh", "-c", 'echo "plain=$PLAIN"; cat "$0"; sleep 300 & exec cat', f"{dirs.home}/conf.json"]
-    proc = await manager.launch(sb, argv=argv, env={"PLAIN": "1"}, workdir=dirs.workspace, pidfile=pidfile)
+    proc = await manager.launch(sb, argv=argv, env={"PLAIN": "1"}, workdir="/home/agent", pidfile=pidfile,
+                                files=files)
     with anyio.fail_after(20):
         assert await proc.stream.receive() == b"plain=1"
         assert await proc.stream.receive() == b'{"a": 1}'

@@ -26,6 +26,7 @@ class FakeStream:
     def __init__(self, exec_id: str) -> None:
         self.exec_id = exec_id
         self.sent: list[bytes] = []
+        self.raw: list[bytes] = []
         self.closed = False
 
     @property
@@ -34,6 +35,9 @@ class FakeStream:
 
     async def send(self, line: bytes) -> None:
         self.sent.append(line)
+
+    async def send_raw(self, data: bytes) -> None:
+        self.raw.append(data)  # a launch's files, sent first (sandbox_manager.launch_files)
 
     async def receive(self) -> bytes | None:
         return None  # nothing to read: end of stream as soon as anyone asks

@@ -123,13 +123,13 @@ class ProcMemory:
             pass
         return 0
 
-    def _names_socket(self, host_pid: int, socket: str) -> bool:
+    def _socket_named(self, host_pid: int) -> str | None:
+        """The PATH of ``--socket PATH`` on the process's command line, if any."""
         try:
             argv = (self.proc / str(host_pid) / "cmdline").read_bytes().split(b"\0")
         except OSError:
-            return False
-        want = socket.encode()
-        return any(a == b"--socket" and b == want for a, b in zip(argv, argv[1:]))
+            return None
+        return next((os.fsdecode(b) for a, b in zip(argv, argv[1:]) if a == b"--socket"), None)
 
     def measure(self, init_pid: int, pgids: set[int], *, pss: bool = True,
                 relays: Mapping[int, str] | None = None) -> dict[int, GroupMemory]:
@@ -153,14 +153,19 @@ class ProcMemory:
         leaders = {pgid: by_ns[pgid] for pgid in pgids
                    if pgid in by_ns and by_ns[pgid].pgrp == by_ns[pgid].host_pid}  # else gone, or a reused pid
         grouped = {leader.host_pid for leader in leaders.values()}
-        # only processes of no named group can be relays: a keeper's own tree never reads as one
-        loose = [p for p in procs if p.pgrp not in grouped and p.ns_pid != 1] if relays else []
+        # only processes of no named group can be relays: a keeper's own tree never reads as one;
+        # each one's command line is read once, whatever the number of groups
+        relayed: dict[str, list[_Proc]] = {}
+        if relays:
+            for p in procs:
+                if p.pgrp not in grouped and p.ns_pid != 1 and (named := self._socket_named(p.host_pid)):
+                    relayed.setdefault(named, []).append(p)
         out: dict[int, GroupMemory] = {}
         for pgid, leader in leaders.items():
             members = {p.host_pid: p for p in procs if p.pgrp == leader.host_pid}
             socket = (relays or {}).get(pgid)
             if socket:
-                members.update({p.host_pid: p for p in loose if self._names_socket(p.host_pid, socket)})
+                members.update({p.host_pid: p for p in relayed.get(socket, [])})
             todo = list(members.values())
             while todo:
                 for child in children.get(todo.pop().host_pid, []):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import structlog
 
-from images.identity import DOCKERFILE, helper_files, image_labels, image_tag, input_hash
+from images.identity import COMPILE_HELPERS, DOCKERFILE, helper_files, image_labels, image_tag, input_hash
 from images.pins import PINS_FILE, Pins, load_pins
 
 log = structlog.get_logger("image")
@@ -239,6 +239,7 @@ def prepare_context(p: BuildPlan) -> None:
         shutil.copy2(f, dst)
         dst.chmod(0o755)
     shutil.copy2(DOCKERFILE, ctx / "Dockerfile")
+    shutil.copy2(COMPILE_HELPERS, ctx / "compile_helpers.py")
 
 
 def build_image(p: BuildPlan) -> None:

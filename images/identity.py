@@ -1,8 +1,9 @@
 """The sandbox image's identity: its tag (derived from the build inputs) and its labels.
 
 Split from ``images.build`` so the daemon learns which image it runs without importing
-the build script: the tag is a digest of the pins file, the Dockerfile and the in-image
-helpers, so a pin change names a new image and an unchanged input set names the same one.
+the build script: the tag is a digest of the pins file, the Dockerfile (and the helper
+compiler it runs) and the in-image helpers, so a pin change names a new image and an
+unchanged input set names the same one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from images.pins import PINS_FILE, Pins
 
 SANDBOX_DIR = Path(__file__).with_name("sandbox")
 DOCKERFILE = SANDBOX_DIR / "Dockerfile"
+COMPILE_HELPERS = SANDBOX_DIR / "compile_helpers.py"  # run by the build: an input of the image
 HELPERS_DIR = SANDBOX_DIR / "helpers"
 IMAGE_REPO = "cloud-agent-sandbox"
 INPUTS_LABEL = "org.cloud-agent.inputs"
@@ -40,7 +42,7 @@ def carries_bridge(pins: Pins) -> bool:
 def image_tag(pins_file: Path = PINS_FILE) -> str:
     """The tag the inputs build (default: the product's pins, what the supervisor runs). Another
     pins file (an upgrade test's) names another image: the tag digests the file's bytes."""
-    parts = [pins_file.read_bytes(), DOCKERFILE.read_bytes()]
+    parts = [pins_file.read_bytes(), DOCKERFILE.read_bytes(), COMPILE_HELPERS.read_bytes()]
     for f in helper_files():
         parts += [f.name.encode(), f.read_bytes()]
     return f"{IMAGE_REPO}:{input_hash(*parts)[:16]}"

@@ -13,7 +13,7 @@ import tarfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 from dataclasses import dataclass, field
@@ -24,6 +24,8 @@ import docker
 import docker.errors
 import structlog
 
+from sandbox_manager.engine_errors import Conflict, EngineError, NotFound
+from sandbox_manager.engine_reads import EngineReads
 from sandbox_manager.exec_stream import ExecStream
 
 log = structlog.get_logger("engine")
@@ -32,18 +34,6 @@ DATA_ROOT_VOLUME = "cloud-agent-dataroot-identity"
 DATA_ROOT_LABEL = "org.cloud-agent.dataroot-id"
 AGENT_UID = 1000
 AGENT_HOME = "/home/agent"
-
-
-class EngineError(Exception):
-    """The engine refused or failed a call."""
-
-
-class NotFound(EngineError):
-    pass
-
-
-class Conflict(EngineError):
-    """The engine answered 409: at a create, the name is another container's."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +102,21 @@ class FileEntry:
 
 
 class Engine(Protocol):
+    async def _read(self, read: Callable[[EngineReads], dict[str, Any]],
+                    sdk: Callable[[docker.DockerClient], dict[str, Any]]) -> dict[str, Any]:
+        """An inspect's JSON in a worker thread: on the engine's unix socket straight
+        (sandbox_manager.engine_reads: half the SDK's cost), else through the SDK."""
+        if not self.base_url.startswith("unix://"):
+            return await self._call(sdk)
+
+        def run() -> dict[str, Any]:
+            if self._reads is None:
+                self._reads = EngineReads(self.base_url.removeprefix("unix://"), self.client.api.api_version,
+                                          self._timeout_s)
+            return read(self._reads)
+
+        return await anyio.to_thread.run_sync(run, limiter=self._limiter)
+
     async def ping(self) -> bool: ...
     async def version(self) -> dict[str, Any]: ...
     async def data_root_identity(self, *, create: bool) -> str | None: ...
@@ -141,8 +146,14 @@ class Engine(Protocol):
 
 
 def _to_info(c: Any) -> ContainerInfo:
-    attrs = c.attrs
-    return ContainerInfo(id=c.id, name=c.name, status=attrs.get("State", {}).get("Status", c.status),
+    return _info(c.attrs)
+
+
+def _info(attrs: dict[str, Any]) -> ContainerInfo:
+    """A container's inspect document as the SDK's Container reads it (id, name, status)."""
+    state = attrs.get("State")
+    status = state.get("Status", "") if isinstance(state, dict) else str(state or "")
+    return ContainerInfo(id=attrs["Id"], name=(attrs.get("Name") or "").lstrip("/"), status=status,
                          image_id=attrs.get("Image", ""), labels=dict(attrs.get("Config", {}).get("Labels") or {}),
                          attrs=attrs)
 
@@ -200,6 +211,7 @@ class DockerEngine:
         self._client_lock = threading.Lock()
         # SDK calls are blocking; a bounded pool keeps a burst of turns from starving the engine.
         self._limiter = anyio.CapacityLimiter(16)
+        self._reads: EngineReads | None = None  # made with the client (it needs the API version)
 
     @property
     def client(self) -> docker.DockerClient:
@@ -228,6 +240,21 @@ class DockerEngine:
 
         return await anyio.to_thread.run_sync(run, limiter=self._limiter)
 
+    async def _read(self, read: Callable[[EngineReads], dict[str, Any]],
+                    sdk: Callable[[docker.DockerClient], dict[str, Any]]) -> dict[str, Any]:
+        """An inspect's JSON in a worker thread: on the engine's unix socket straight
+        (sandbox_manager.engine_reads: half the SDK's cost), else through the SDK."""
+        if not self.base_url.startswith("unix://"):
+            return await self._call(sdk)
+
+        def run() -> dict[str, Any]:
+            if self._reads is None:
+                self._reads = EngineReads(self.base_url.removeprefix("unix://"), self.client.api.api_version,
+                                          self._timeout_s)
+            return read(self._reads)
+
+        return await anyio.to_thread.run_sync(run, limiter=self._limiter)
+
     async def ping(self) -> bool:
         try:
             return bool(await self._call(lambda c: c.api.ping()))
@@ -244,8 +271,8 @@ class DockerEngine:
         the sandbox manager tells that retained native state cannot be there.
         """
         try:
-            vol = await self._call(lambda c: c.volumes.get(DATA_ROOT_VOLUME))
-            return (vol.attrs.get("Labels") or {}).get(DATA_ROOT_LABEL)
+            vol = await self._read(lambda r: r.volume(DATA_ROOT_VOLUME), lambda c: c.api.inspect_volume(DATA_ROOT_VOLUME))
+            return (vol.get("Labels") or {}).get(DATA_ROOT_LABEL)
         except NotFound:
             if not create:
                 return None
@@ -254,12 +281,13 @@ class DockerEngine:
             await self._call(lambda c: c.volumes.create(name=DATA_ROOT_VOLUME, labels={DATA_ROOT_LABEL: ident}))
         except EngineError:
             pass  # created concurrently: read back whichever won
-        vol = await self._call(lambda c: c.volumes.get(DATA_ROOT_VOLUME))
-        return (vol.attrs.get("Labels") or {}).get(DATA_ROOT_LABEL)
+        vol = await self._read(lambda r: r.volume(DATA_ROOT_VOLUME), lambda c: c.api.inspect_volume(DATA_ROOT_VOLUME))
+        return (vol.get("Labels") or {}).get(DATA_ROOT_LABEL)
 
     async def image(self, ref: str) -> ImageInfo:
-        img = await self._call(lambda c: c.images.get(ref))
-        return ImageInfo(id=img.id, labels=dict(img.labels or {}), tags=tuple(img.tags))
+        attrs = await self._read(lambda r: r.image(ref), lambda c: c.api.inspect_image(ref))
+        return ImageInfo(id=attrs["Id"], labels=dict((attrs.get("Config") or {}).get("Labels") or {}),
+                         tags=tuple(t for t in attrs.get("RepoTags") or [] if t != "<none>:<none>"))
 
     async def create(self, spec: ContainerSpec) -> ContainerInfo:
         def run(client: docker.DockerClient) -> ContainerInfo:
@@ -281,7 +309,8 @@ class DockerEngine:
         return await self._call(run)
 
     async def inspect(self, container_id: str) -> ContainerInfo:
-        return await self._call(lambda c: _to_info(c.containers.get(container_id)))
+        return _info(await self._read(lambda r: r.container(container_id),
+                                      lambda c: c.api.inspect_container(container_id)))
 
     async def start(self, container_id: str) -> None:
         await self._call(lambda c: c.api.start(container_id))
@@ -419,7 +448,7 @@ class DockerEngine:
         return self._volume(await self._call(lambda c: c.api.create_volume(name, labels=labels)))
 
     async def inspect_volume(self, name: str) -> VolumeInfo:
-        return self._volume(await self._call(lambda c: c.api.inspect_volume(name)))
+        return self._volume(await self._read(lambda r: r.volume(name), lambda c: c.api.inspect_volume(name)))
 
     async def remove_volume(self, name: str) -> None:
         await self._call(lambda c: c.api.remove_volume(name))

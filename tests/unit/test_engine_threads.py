@@ -27,7 +27,8 @@ class FakeContainer:
     status = "created"
 
     def __init__(self) -> None:
-        self.attrs: dict = {"State": {"Status": "created"}, "Image": "sha256:img", "Config": {"Labels": {"k": "v"}}}
+        self.attrs: dict = {"Id": self.id, "Name": "/sb", "State": {"Status": "created"}, "Image": "sha256:img",
+                            "Config": {"Labels": {"k": "v"}}}  # the engine's inspect document, as the SDK keeps it
 
     def reload(self) -> None:
         record("reload")

@@ -102,21 +102,6 @@ class FileEntry:
 
 
 class Engine(Protocol):
-    async def _read(self, read: Callable[[EngineReads], dict[str, Any]],
-                    sdk: Callable[[docker.DockerClient], dict[str, Any]]) -> dict[str, Any]:
-        """An inspect's JSON in a worker thread: on the engine's unix socket straight
-        (sandbox_manager.engine_reads: half the SDK's cost), else through the SDK."""
-        if not self.base_url.startswith("unix://"):
-            return await self._call(sdk)
-
-        def run() -> dict[str, Any]:
-            if self._reads is None:
-                self._reads = EngineReads(self.base_url.removeprefix("unix://"), self.client.api.api_version,
-                                          self._timeout_s)
-            return read(self._reads)
-
-        return await anyio.to_thread.run_sync(run, limiter=self._limiter)
-
     async def ping(self) -> bool: ...
     async def version(self) -> dict[str, Any]: ...
     async def data_root_identity(self, *, create: bool) -> str | None: ...

@@ -33,9 +33,16 @@ PROBE_LABEL = "org.cloud-agent.probe"  # value: the host id
 PROBE_MEMORY_BYTES = 256 * 1024**2
 PROBE_PIDS = 64
 AGENT_UID = b"1000"
+# The version line of the helper on PATH, or, when that is a stub compiled at the image's build
+# (images/sandbox/compile_helpers.py), of the source its code was compiled from (the stub names it).
 HELPER_VERSION_SCRIPT = (
     'p=$(command -v "$1") || { echo missing; exit 0; }; '
-    "sed -n 's/^BRIDGE_VERSION *= *\\([0-9][0-9]*\\).*/\\1/p' \"$p\" | head -n 1"
+    "v() { sed -n 's/^BRIDGE_VERSION *= *\\([0-9][0-9]*\\).*/\\1/p' \"$1\" | head -n 1; }; "
+    's=$(v "$p"); '
+    "src=$(sed -n 's/^# [^ ]*: its code was compiled at the image.s build .*; the source is \\(\\/.*\\)$/\\1/p' \"$p\" "
+    "| head -n 1); "
+    '[ -z "$s" ] && [ -n "$src" ] && [ -f "$src" ] && s=$(v "$src"); '
+    'echo "$s"'
 )
 
 

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -273,12 +274,25 @@ def test_keyboard_reaches_every_row_in_order(browser, host) -> None:
     assert console_errors(browser) == []
 
 
+def page_mib(n: int) -> str:
+    """Bytes as the host page shows them (``(n / MB).toFixed(1)``): a tie goes to the larger
+    number, where Python's format rounds it to even. An RSS is whole pages, so a reading of
+    exactly x.25 MiB happens (1 in 256): 163.25 MiB is "163.3 MiB" on the page, and "163.2"
+    by ``f"{n / 2**20:.1f}"``, the test's formatting until it failed CI so."""
+    return f"{(Decimal(n) / 2**20).quantize(Decimal('0.1'), ROUND_HALF_UP)} MiB"
+
+
+def test_the_page_formatting_of_memory_is_javascripts() -> None:
+    assert [page_mib(n) for n in (171180032, 171704320, 171704320 - 4096, 0)] == [
+        "163.3 MiB", "163.8 MiB", "163.7 MiB", "0.0 MiB"]  # 163.25, 163.75, 163.746..., 0
+
+
 def test_host_page_lists_sandboxes_residents_and_attestation(browser, host) -> None:
     # the resident's memory is read on a period: wait for its first reading
     with httpx.Client(base_url=host.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         def memory_view() -> tuple[dict, dict[str, str]]:
             view = http.get("/v1/host").json()
-            return view, {r["chat_id"]: f"{r['memory_bytes'] / 2**20:.1f} MiB" for r in view["residents"]}
+            return view, {r["chat_id"]: page_mib(r["memory_bytes"]) for r in view["residents"]}
 
         deadline = time.monotonic() + 30
         while True:

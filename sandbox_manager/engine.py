@@ -15,8 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from datetime import datetime
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
@@ -26,6 +24,16 @@ import structlog
 
 from sandbox_manager.engine_errors import Conflict, EngineError, NotFound
 from sandbox_manager.engine_reads import EngineReads
+from sandbox_manager.engine_types import (
+    ContainerInfo,
+    ContainerSpec,
+    FileEntry,
+    ImageInfo,
+    Mount,
+    VolumeInfo,
+    container_info,
+    rfc3339_ns,
+)
 from sandbox_manager.exec_stream import ExecStream
 
 log = structlog.get_logger("engine")
@@ -34,71 +42,6 @@ DATA_ROOT_VOLUME = "cloud-agent-dataroot-identity"
 DATA_ROOT_LABEL = "org.cloud-agent.dataroot-id"
 AGENT_UID = 1000
 AGENT_HOME = "/home/agent"
-
-
-@dataclass(frozen=True)
-class Mount:
-    """A host directory bind-mounted into the container."""
-
-    source: str
-    target: str
-    read_only: bool = True
-
-
-@dataclass(frozen=True)
-class ContainerSpec:
-    image: str
-    name: str
-    labels: dict[str, str]
-    mounts: tuple[Mount, ...] = ()
-    user: str = "agent"
-    workdir: str = "/home/agent/workspace"
-    memory_bytes: int = 4 * 1024**3
-    pids_limit: int = 1024
-    nano_cpus: int = 2_000_000_000
-    disk_bytes: int | None = None  # a writable-layer quota (storage drivers that support one)
-    command: tuple[str, ...] = ("sleep", "infinity")
-    home_volume: str | None = None  # a named volume mounted read-write at the agent's home (SPEC 15)
-
-
-@dataclass(frozen=True)
-class ContainerInfo:
-    id: str
-    name: str
-    status: str  # created | running | exited | paused ...
-    image_id: str
-    labels: dict[str, str]
-    attrs: dict[str, Any] = field(repr=False, default_factory=dict)
-
-    @property
-    def running(self) -> bool:
-        return self.status == "running"
-
-    @property
-    def started_ns(self) -> int | None:
-        """When the engine last started it (``State.StartedAt``), ns since the epoch; None unknown."""
-        return _rfc3339_ns(str(self.attrs.get("State", {}).get("StartedAt") or ""))
-
-
-@dataclass(frozen=True)
-class ImageInfo:
-    id: str
-    labels: dict[str, str]
-    tags: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class VolumeInfo:
-    name: str
-    labels: dict[str, str]
-    mountpoint: str | None = None  # where the engine keeps its content (local driver: under the data root)
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str
-    content: bytes
-    mode: int = 0o644
 
 
 class Engine(Protocol):
@@ -130,33 +73,9 @@ class Engine(Protocol):
     async def copy_tree(self, src_container: str, path: str, dst_container: str) -> None: ...
 
 
-def _to_info(c: Any) -> ContainerInfo:
-    return _info(c.attrs)
-
-
-def _info(attrs: dict[str, Any]) -> ContainerInfo:
-    """A container's inspect document as the SDK's Container reads it (id, name, status)."""
-    state = attrs.get("State")
-    status = state.get("Status", "") if isinstance(state, dict) else str(state or "")
-    return ContainerInfo(id=attrs["Id"], name=(attrs.get("Name") or "").lstrip("/"), status=status,
-                         image_id=attrs.get("Image", ""), labels=dict(attrs.get("Config", {}).get("Labels") or {}),
-                         attrs=attrs)
-
-
-def _rfc3339_ns(stamp: str) -> int | None:
-    """The engine's RFC 3339 time (UTC, up to nanoseconds) as ns since the epoch."""
-    day, _, frac = stamp.rstrip("Z").partition(".")
-    try:
-        seconds = int(datetime.fromisoformat(day + "+00:00").timestamp())
-    except ValueError:
-        return None
-    digits = (frac + "000000000")[:9]
-    return seconds * 1_000_000_000 + int(digits) if digits.isdigit() and seconds > 0 else None
-
-
 def _logged_after(line: bytes, since: float) -> bool:
     """A ``timestamps=True`` log line (RFC 3339, nanoseconds) written at or after ``since``."""
-    t = _rfc3339_ns(line.split(b" ", 1)[0].decode(errors="replace"))
+    t = rfc3339_ns(line.split(b" ", 1)[0].decode(errors="replace"))
     return t is not None and t / 1e9 >= since
 
 
@@ -289,12 +208,12 @@ class DockerEngine:
                          **({spec.home_volume: {"bind": AGENT_HOME, "mode": "rw"}} if spec.home_volume else {})},
                 **({"storage_opt": {"size": str(spec.disk_bytes)}} if spec.disk_bytes else {}),
             )
-            return _to_info(c)  # the SDK's create inspects what it made: no second inspect
+            return container_info(c.attrs)  # the SDK's create inspects what it made: no second inspect
 
         return await self._call(run)
 
     async def inspect(self, container_id: str) -> ContainerInfo:
-        return _info(await self._read(lambda r: r.container(container_id),
+        return container_info(await self._read(lambda r: r.container(container_id),
                                       lambda c: c.api.inspect_container(container_id)))
 
     async def start(self, container_id: str) -> None:
@@ -311,7 +230,7 @@ class DockerEngine:
             out = []
             for row in client.api.containers(all=True, filters={"label": label}):
                 try:  # a container removed between the listing and its inspect is simply gone
-                    out.append(_to_info(client.containers.get(row["Id"])))
+                    out.append(container_info(client.containers.get(row["Id"]).attrs))
                 except docker.errors.NotFound:
                     continue
             return out

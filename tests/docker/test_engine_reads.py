@@ -9,7 +9,8 @@ import uuid
 import docker
 import pytest
 
-from sandbox_manager.engine import DATA_ROOT_LABEL, DATA_ROOT_VOLUME, ContainerSpec, DockerEngine, NotFound, _to_info
+from sandbox_manager.engine import DATA_ROOT_LABEL, DATA_ROOT_VOLUME, ContainerSpec, DockerEngine, NotFound
+from sandbox_manager.engine_types import container_info
 from sandbox_manager.identity import LABEL_HOST, LABEL_SANDBOX
 from tests.daemon_harness import TEST_HOST_IDS
 
@@ -30,7 +31,7 @@ async def test_inspect_reads_equal_the_sdks(sandbox_image, docker_client: docker
             if step == "running":
                 await engine.start(info.id)
             got = await engine.inspect(info.id)
-            want = _to_info(docker_client.containers.get(info.id))
+            want = container_info(docker_client.containers.get(info.id).attrs)  # the SDK's own read
             assert got == want and (got.name, got.status) == (name, step)
             assert await engine.inspect(name) == got  # by name as by id
         image = await engine.image(sandbox_image)

@@ -6,7 +6,8 @@
 One in-process daemon (uvicorn in this process), its API client in a process of its own
 (tests/bench/api_client.py, as a host's clients are; ``--client lean`` swaps httpx for the
 leanest HTTP/1.1 client, ``--client inline`` puts it on the
-daemon's loop as before), one loopback fixture, the pinned image. Per CLI:
+daemon's loop as before), one loopback fixture in a process of its own (as `cloud-agent serve`
+runs it; ``--fixture-in-process`` for this process's threads, as before), the pinned image. Per CLI:
 
 1. LIVE: N turns through the daemon's job API (POST → receipt line) against N turns of a
    **bare** session: the same driver on its own attached exec in the same container, called
@@ -37,6 +38,8 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ import anyio
 import docker
 
 from deploy.loopback import LoopbackFixture
+from runner.loopback_child import loopback_child
 from drivers.models import Locator
 from drivers.transport import Transport, TransportWrapper
 from images.build import ensure_image
@@ -497,6 +501,21 @@ async def bench_create(sup: Any, image: str, n: int) -> tuple[list[float], list[
     return mgr, same, raw
 
 
+@contextmanager
+def model_fixture(tmp: Path, *, in_process: bool) -> Iterator[str]:
+    """The loopback fixture's base URL. By default a process of its own, as `cloud-agent serve`
+    runs it (runner.loopback_child): in this process its request parsing and SSE writing (16
+    chats' model traffic under the throughput run) held the GIL the daemon's loop and store
+    thread need, which a host's remote model never does. ``in_process``: as the benches ran it
+    until stop 42, to compare."""
+    if in_process:
+        with LoopbackFixture.start() as fx:
+            yield fx.base_url
+    else:
+        with loopback_child(tmp / "fixture-record.jsonl", tmp / "fixture-token") as url:
+            yield url
+
+
 async def main(args: argparse.Namespace) -> None:
     from telemetry.logs import configure_logging
 
@@ -509,13 +528,13 @@ async def main(args: argparse.Namespace) -> None:
         hooks = TestHooks(wrap_transport=stamps.wrap, turn_trace=lambda tr: traces.__setitem__(tr.job_id, tr))
     results: dict[str, dict[str, Any]] = {}
     client = docker.from_env()
-    with LoopbackFixture.start() as fx, tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, model_fixture(Path(tmp), in_process=args.fixture_in_process) as url:
         overrides: dict[str, Any] = {}
         if args.proxy_in_daemon:
             overrides["proxy_process"] = "daemon"
         if args.resident_memory_mb:
             overrides["resident_memory_mb"] = args.resident_memory_mb
-        settings = daemon_settings(Path(tmp) / "home", fx.base_url, image, **overrides)
+        settings = daemon_settings(Path(tmp) / "home", url, image, **overrides)
         async with (running_daemon(settings, hooks=hooks, proxy_process=not args.proxy_in_daemon) as d,
                     anyio.create_task_group() as client_tg):
             sup = d.daemon.supervisor
@@ -652,6 +671,9 @@ if __name__ == "__main__":
                     help="the daemon's resident memory budget (CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the "
                          "host's). The bare arm has none: 16 Kilo residents measured over 768 MiB each exceed half "
                          "of 24 GiB, the daemon retires idle ones and their turns come back RESTORED")
+    ap.add_argument("--fixture-in-process", action="store_true",
+                    help="the loopback fixture in this process (on its own threads, sharing the daemon's GIL) "
+                         "instead of a process of its own as `cloud-agent serve` runs it")
     ap.add_argument("--client", choices=("process", "lean", "inline"), default="process",
                     help="the API client in a process of its own (as a host's clients are; httpx, or with `lean` "
                          "the leanest HTTP/1.1 client, see api_client.py) or on the daemon's loop")

@@ -214,7 +214,7 @@ class DockerEngine:
 
     async def inspect(self, container_id: str) -> ContainerInfo:
         return container_info(await self._read(lambda r: r.container(container_id),
-                                      lambda c: c.api.inspect_container(container_id)))
+                                               lambda c: c.api.inspect_container(container_id)))
 
     async def start(self, container_id: str) -> None:
         await self._call(lambda c: c.api.start(container_id))

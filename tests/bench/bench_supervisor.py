@@ -48,10 +48,10 @@ import anyio
 import docker
 
 from deploy.loopback import LoopbackFixture
-from runner.loopback_child import loopback_child
 from drivers.models import Locator
 from drivers.transport import Transport, TransportWrapper
 from images.build import ensure_image
+from runner.loopback_child import loopback_child
 from runner.processes import member_paths, start_in_sandbox
 from runner.transport import exec_transport
 from runner.turn import TestHooks

@@ -24,6 +24,10 @@ async def alongside(side: Callable[[], Awaitable[None]], main: Callable[[], Awai
     async with anyio.create_task_group() as tg:
         tg.start_soon(side)
         try:
+            # ``side`` takes its first step now, up to its first wait (its request sent), rather
+            # than whenever ``main`` first waits: the turn's preparation runs a millisecond
+            # without one, and the proxy's begin went out after it (issue 16's trace)
+            await anyio.lowlevel.checkpoint()
             result = await main()
         except Exception as exc:  # raised below as itself
             failure = exc

@@ -68,3 +68,22 @@ async def test_a_failing_main_raises_itself_and_cancels_the_side() -> None:
     with anyio.fail_after(5), pytest.raises(Fenced, match="lease expired"):
         await alongside(side, main)
     assert cancelled == [True]
+
+
+@pytest.mark.anyio
+async def test_the_side_takes_its_first_step_before_the_main_call() -> None:
+    # the turn's preparation runs long without a wait: the proxy's begin, the side, must be
+    # sent before it, not at its first wait
+    order: list[str] = []
+
+    async def side() -> None:
+        order.append("side sent its request")
+        await anyio.sleep(0)
+        order.append("side answered")
+
+    async def main() -> int:
+        order.append("main began")
+        return 3
+
+    assert await alongside(side, main) == 3
+    assert order == ["side sent its request", "main began", "side answered"]

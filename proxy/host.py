@@ -172,11 +172,16 @@ class ProxyHost:
     async def flush(self, chat_key: str, timeout_s: float = 10.0) -> None:
         """Wait (at most ``timeout_s``) until no exchange of ``chat_key`` is in flight: every
         request that reached the proxy has its record in the sink. Call before a verdict."""
-        sb = self._sandboxes.get(chat_key)
-        if sb is None:
-            return
+        if self.quiet(chat_key):
+            return  # without a trip round the event loop: the usual case as a turn settles
+        sb = self._sandboxes[chat_key]
         with anyio.move_on_after(timeout_s):
             await sb.idle.wait()
+
+    def quiet(self, chat_key: str) -> bool:
+        """No exchange of ``chat_key`` is in flight now (a flush would return at once)."""
+        sb = self._sandboxes.get(chat_key)
+        return sb is None or sb.busy == 0
 
     # ---------------------------------------------------------------- serving
 

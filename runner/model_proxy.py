@@ -93,6 +93,9 @@ class ModelProxy:
 
     # -- state --------------------------------------------------------------------------------
 
+    def quiet(self, chat_key: str) -> bool:
+        return self.host.quiet(chat_key)
+
     def in_flight(self) -> int:
         return self.host.in_flight()
 

@@ -160,12 +160,24 @@ class ControlServer:
                         daemon = True
                         self.daemons += 1
                         log.info("proxy_service.daemon_attached", daemons=self.daemons)
-                    tg.start_soon(self._answer, stream, write, line)
+                    if self._at_once(line.request):
+                        await self._answer(stream, write, line)
+                    else:
+                        tg.start_soon(self._answer, stream, write, line)
         finally:
             if daemon:
                 self.daemons -= 1
                 log.info("proxy_service.daemon_detached", daemons=self.daemons)
             await stream.aclose()
+
+    def _at_once(self, request: Request) -> bool:
+        """Answered without waiting for anything, so without a task of its own: a turn's begin
+        and its flush (once its chat is quiet) are on the turn's path, and a task per request
+        was a trip round this loop for each (issue 16). Requests that may wait still get one:
+        a flush of a busy chat must not hold up the requests behind it."""
+        if isinstance(request, Flush):
+            return self.proxy.quiet(request.chat_key)
+        return isinstance(request, (Begin, End, Member, KeepTurns, Hello))
 
     async def _answer(self, stream: SocketStream, write: anyio.Lock, line: RequestLine) -> None:
         try:

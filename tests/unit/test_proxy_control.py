@@ -171,6 +171,45 @@ async def test_a_reply_streams_on_after_its_daemon_went_away_and_names_the_turn(
     assert len(fx.requests(kind="conversation")) == 4
 
 
+async def test_a_flush_that_waits_holds_up_no_request_behind_it(fx: LoopbackFixture, tmp_path: Path,
+                                                                  sockets: Path) -> None:
+    """Requests that need no wait are answered at once, in the connection's own task; a flush of
+    a chat with an exchange in flight waits in a task of its own, and the begin sent after it on
+    the same connection is answered first."""
+    fx.add_rule(stall(1.0, match="hello there", times=1))
+    service = Service(config(tmp_path / "home", fx.base_url))
+    answered: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(service.run)
+        await service.listening()
+        async with linked(service.cfg.paths.control) as link:
+            await link.hello("daemon")
+            ops = LinkOps(link)
+            path = await ops.open(CHAT, "u1", "c1", sockets / "a")
+            await ops.begin(CHAT, "mk1", "m1", "job-1")
+            async with uds_client(path) as client, anyio.create_task_group() as calls:
+                async def exchange() -> None:
+                    assert (await client.post("/m/mk1/v1/messages", json=ANTHROPIC)).status_code == 200
+                    answered.append("exchange")
+
+                async def flush() -> None:
+                    await ops.flush(CHAT, 5.0, ("mk1", "job-1"))
+                    answered.append("flush")
+
+                calls.start_soon(exchange)
+                with anyio.fail_after(5):
+                    while (await link.hello("operator")).in_flight == 0:  # held upstream now
+                        await anyio.sleep(0.01)
+                calls.start_soon(flush)
+                await anyio.sleep(0.05)  # the flush is at the service, waiting for the exchange
+                await ops.begin(CHAT, "mk2", "m2", "job-2")
+                answered.append("begin")
+            await link.stop(0)
+        await service.done.wait()
+    # the exchange's response and the flush's answer end together: their order is the loop's
+    assert answered[0] == "begin" and sorted(answered[1:]) == ["exchange", "flush"], answered
+
+
 async def test_it_lingers_out_only_with_no_daemon_and_nothing_in_flight(fx: LoopbackFixture, tmp_path: Path,
                                                                        sockets: Path) -> None:
     fx.add_rule(stall(1.5, match="hello there", times=1))

@@ -46,7 +46,8 @@ from sandbox_manager.replacement import BeforeReplace, Replacement, replace
 from sandbox_manager.sandbox import Sandbox
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sealing import GateReport
-from sandbox_manager.volumes import check_marker, check_mount, check_volume, judge_marker, volume_name
+from sandbox_manager.reads_at_once import read_at_once
+from sandbox_manager.volumes import check_marker, check_mount, judge_marker, judge_volume, volume_name
 from state.records import SandboxRecord, SandboxState
 from state.sandbox_writes import SeenSandbox
 from state.store import Store, now
@@ -146,19 +147,29 @@ class SandboxManager(ChatContainers, MemberProcesses):
     async def _resolve_recorded(self, rec: SandboxRecord, before_replace: BeforeReplace) -> Sandbox:
         # taken before the check: facts whose check raced an invalidating event are not kept
         token = self.integrity.token(rec.container_id)
-        await self._check_root(rec)
-        current = await self.checked_image(self.config.image)  # ImageRefused: nothing is judged lost
+        if rec.host_id != self.config.host_id:
+            raise SandboxLost(LostReason.WRONG_HOST, f"recorded on host {rec.host_id}")
+        volume = rec.volume_name
+        root, image, vol, container = await read_at_once(
+            self.current_data_root_id, lambda: self.checked_image(self.config.image),
+            (lambda: self.engine.inspect_volume(volume)) if volume is not None else None,
+            lambda: self.engine.inspect(rec.container_id))
+        mark("engine_reads")
+        self._judge_root(rec, root.get())
+        current = image.get()  # ImageRefused: nothing is judged lost
         if rec.volume_name is None:
             return self._replaced(await migrate(self, rec, current, before_replace), current)
-        await check_volume(self.engine, rec, self.identity_labels(rec.user_id, rec.chat_id, rec.data_root_id))
-        mark("volume_inspect")
         try:
-            info = await self.engine.inspect(rec.container_id)
+            seen_volume = vol.get()
+        except NotFound:
+            seen_volume = None
+        judge_volume(rec, self.identity_labels(rec.user_id, rec.chat_id, rec.data_root_id), seen_volume)
+        try:
+            info = container.get()
         except NotFound:
             # The volume holds the native state: a new container on it, each member RESTORED
             # through its CLI's own resume handshake.
             return self._replaced(await replace(self, rec, current, None, Replaced.RECREATED, before_replace), current)
-        mark("container_inspect")
         self.check_identity(rec, info)
         check_mount(rec, info)
         if rec.stop_reason == DISK_QUOTA:
@@ -189,11 +200,8 @@ class SandboxManager(ChatContainers, MemberProcesses):
         return Sandbox(record=done.record, container=done.container, image=image, started=True, replaced=done.why,
                        replaced_image_id=done.replaced_image_id)
 
-    async def _check_root(self, rec: SandboxRecord) -> None:
-        if rec.host_id != self.config.host_id:
-            raise SandboxLost(LostReason.WRONG_HOST, f"recorded on host {rec.host_id}")
-        current_root = await self.current_data_root_id()
-        mark("data_root")
+    @staticmethod
+    def _judge_root(rec: SandboxRecord, current_root: str | None) -> None:
         if current_root != rec.data_root_id:
             raise SandboxLost(LostReason.DATA_ROOT_CHANGED,
                               f"created in data root {rec.data_root_id[:12]}, engine now has "

@@ -79,13 +79,12 @@ def mounted_home(attrs: dict[str, Any]) -> tuple[str | None, str | None]:
 # -- the checks (each raises SandboxLost with the reason) ---------------------------------------
 
 
-async def check_volume(engine: Engine, rec: SandboxRecord, identity: dict[str, str]) -> None:
-    """The recorded volume exists and carries the chat's identity labels and its volume id."""
+def judge_volume(rec: SandboxRecord, identity: dict[str, str], vol: VolumeInfo | None) -> None:
+    """The recorded volume (``vol``: its inspect, None when the engine has none of that name)
+    exists and carries the chat's identity labels and its volume id."""
     assert rec.volume_name is not None and rec.volume_id is not None
-    try:
-        vol = await engine.inspect_volume(rec.volume_name)
-    except NotFound:
-        raise SandboxLost(LostReason.VOLUME_MISSING, f"volume {rec.volume_name} is gone") from None
+    if vol is None:
+        raise SandboxLost(LostReason.VOLUME_MISSING, f"volume {rec.volume_name} is gone")
     bad = label_problems(vol, identity, rec.volume_id)
     if bad:
         raise SandboxLost(LostReason.VOLUME_MISMATCH, f"volume {rec.volume_name}: labels differ: " + ", ".join(bad))

@@ -115,15 +115,19 @@ class TurnRunner:
 
     async def resolve_sandbox(self, user_id: str, chat_id: str, *, resident: bool = False,
                               seen: SeenSandbox | None = None) -> Sandbox:
-        """The chat's sandbox with its model socket listening (opened first: the container's
-        command connects to it as it starts). A lost sandbox's socket is closed again.
+        """The chat's sandbox with its model socket listening (opened before anything is
+        started: the container's command connects to it as it starts). A lost sandbox's socket
+        is closed again.
         ``resident``: a live resident serves the turn (its checks may come from fresh facts);
         ``seen``: the record as the job's claim read it (taken while still current)."""
-        await self.model_path.open(user_id, chat_id)
-        mark("model_socket")
+        async def open_socket() -> None:
+            await self.model_path.open(user_id, chat_id)
+            mark("model_socket")
+
         try:
-            return await self.manager.resolve(user_id, chat_id, resident=resident,
-                                              before_replace=self.retire_container, seen=seen)
+            # opened beside the check's engine reads, before anything is started (issue 16)
+            return await self.manager.resolve(user_id, chat_id, resident=resident, before_replace=self.retire_container,
+                                              seen=seen, before_start=open_socket)
         except (SandboxLost, ImageRefused, ModelGateNotReady):
             await self.model_path.close(user_id, chat_id)
             raise

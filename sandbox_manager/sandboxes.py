@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -57,6 +57,13 @@ log = structlog.get_logger("sandbox")
 
 
 async def _nothing_resident(container_id: str) -> None:
+    return None
+
+
+BeforeStart = Callable[[], Awaitable[None]]
+
+
+async def _nothing_first() -> None:
     return None
 
 
@@ -92,7 +99,8 @@ class SandboxManager(ChatContainers, MemberProcesses):
         return self._chat_locks.setdefault((user_id, chat_id), anyio.Lock(fast_acquire=True))
 
     async def resolve(self, user_id: str, chat_id: str, *, create: bool = True, resident: bool = False,
-                      before_replace: BeforeReplace = _nothing_resident, seen: SeenSandbox | None = None) -> Sandbox:
+                      before_replace: BeforeReplace = _nothing_resident, seen: SeenSandbox | None = None,
+                      before_start: BeforeStart = _nothing_first) -> Sandbox:
         """The chat's sandbox, running and integrity-checked, or SandboxLost.
 
         ``resident``: a live resident process of this chat serves the turn. Only then may the
@@ -103,11 +111,16 @@ class SandboxManager(ChatContainers, MemberProcesses):
         instead of a read of its own when no write of the record can have landed since
         (state.sandbox_writes).
 
+        ``before_start``: what must be done before anything of the chat's is created or started
+        (the caller's model socket, which a container's command connects to as it starts). It
+        runs beside the engine reads of a recorded sandbox's check, and has returned when this
+        does; a record already LOST raises without it.
+
         The caller holds a use of the returned container until its turn ends
         (:meth:`release`): a replacement by another member's turn waits for it.
         """
         async with self._chat_lock(user_id, chat_id):
-            sandbox = await self._resolve(user_id, chat_id, create, resident, before_replace, seen)
+            sandbox = await self._resolve(user_id, chat_id, create, resident, before_replace, seen, before_start)
             self.uses.acquire(sandbox.container_id)
             return sandbox
 
@@ -115,7 +128,8 @@ class SandboxManager(ChatContainers, MemberProcesses):
         self.uses.release(sandbox.container_id)
 
     async def _resolve(self, user_id: str, chat_id: str, create: bool, resident: bool,
-                       before_replace: BeforeReplace, seen: SeenSandbox | None) -> Sandbox:
+                       before_replace: BeforeReplace, seen: SeenSandbox | None, before_start: BeforeStart
+                       ) -> Sandbox:
         if (seen is not None and (seen.user_id, seen.chat_id) == (user_id, chat_id)
                 and self.store.sandbox_writes.current(seen)):
             rec = seen.record
@@ -125,6 +139,7 @@ class SandboxManager(ChatContainers, MemberProcesses):
         if rec is None:
             if not create:
                 raise KeyError((user_id, chat_id))
+            await before_start()
             return await self._create(user_id, chat_id)
         if rec.state == SandboxState.LOST:
             raise SandboxLost(LostReason.PREVIOUSLY_LOST, rec.lost_reason or "")
@@ -132,10 +147,11 @@ class SandboxManager(ChatContainers, MemberProcesses):
                 and rec.stop_reason != DISK_QUOTA
                 and (facts := self.integrity.get(rec.container_id, rec.data_root_id)) is not None):
             mark("integrity_cached")
+            await before_start()
             self._changed(user_id, chat_id, SandboxState.RUNNING)
             return Sandbox(record=rec, container=facts.container, image=facts.image, from_events=True)
         try:
-            sandbox = await self._resolve_recorded(rec, before_replace)
+            sandbox = await self._resolve_recorded(rec, before_replace, before_start)
         except SandboxLost as lost:
             await self.store.set_sandbox_state(user_id, chat_id, SandboxState.LOST, lost.reason.value)
             self._changed(user_id, chat_id, SandboxState.LOST)
@@ -144,17 +160,19 @@ class SandboxManager(ChatContainers, MemberProcesses):
         self._changed(user_id, chat_id, SandboxState.RUNNING)
         return sandbox
 
-    async def _resolve_recorded(self, rec: SandboxRecord, before_replace: BeforeReplace) -> Sandbox:
+    async def _resolve_recorded(self, rec: SandboxRecord, before_replace: BeforeReplace,
+                                before_start: BeforeStart) -> Sandbox:
         # taken before the check: facts whose check raced an invalidating event are not kept
         token = self.integrity.token(rec.container_id)
         if rec.host_id != self.config.host_id:
             raise SandboxLost(LostReason.WRONG_HOST, f"recorded on host {rec.host_id}")
         volume = rec.volume_name
-        root, image, vol, container = await read_at_once(
-            self.current_data_root_id, lambda: self.checked_image(self.config.image),
+        first, root, image, vol, container = await read_at_once(
+            before_start, self.current_data_root_id, lambda: self.checked_image(self.config.image),
             (lambda: self.engine.inspect_volume(volume)) if volume is not None else None,
             lambda: self.engine.inspect(rec.container_id))
         mark("engine_reads")
+        first.get()  # its failure is the caller's, raised before any check's
         self._judge_root(rec, root.get())
         current = image.get()  # ImageRefused: nothing is judged lost
         if rec.volume_name is None:

@@ -116,3 +116,38 @@ async def test_a_missing_volume_is_named_before_a_missing_container(tmp_path: Pa
             await manager.resolve(USER, CHAT)
         assert lost.value.reason == LostReason.VOLUME_MISSING
         assert "create" not in engine.calls and "create_volume" not in engine.calls
+
+
+async def test_what_must_come_before_a_start_runs_beside_the_reads_and_before_the_start(tmp_path: Path) -> None:
+    """The caller's model socket (``before_start``) is opened while the check reads the engine,
+    and has been opened before the stopped container is started again."""
+    async with recorded(tmp_path) as (manager, engine):
+        assert await manager.stop(USER, CHAT)
+        barrier = Barrier(5)
+        gated(engine, barrier)
+        engine.calls.clear()
+
+        async def open_socket() -> None:
+            await barrier.wait("socket")
+            engine.calls.append("socket opened")
+
+        with anyio.fail_after(5):  # after the reads, or before them, it would wait here for ever
+            sandbox = await manager.resolve(USER, CHAT, before_start=open_socket)
+        manager.release(sandbox)
+        # the first five to arrive (the start's own reads come after, through an open barrier)
+        assert sandbox.started and sorted(barrier.names[:5]) == ["data_root_identity", "image", "inspect",
+                                                                 "inspect_volume", "socket"]
+        assert engine.calls.index("socket opened") < engine.calls.index("start")
+
+
+async def test_a_new_sandbox_is_made_only_once_what_comes_first_is_done(tmp_path: Path) -> None:
+    async with recorded(tmp_path) as (manager, engine):
+        engine.calls.clear()
+
+        async def open_socket() -> None:
+            engine.calls.append("socket opened")
+
+        sandbox = await manager.resolve(USER, "c2", before_start=open_socket)
+        manager.release(sandbox)
+        assert sandbox.created and engine.calls[0] == "socket opened"
+        assert engine.calls.index("create_volume") > 0 and engine.calls.index("create") > 0

@@ -542,7 +542,7 @@ async def main(args: argparse.Namespace) -> None:
                 d.remote = await RemoteClient.start(d.url, TOKEN, client_tg, lean=args.client == "lean")
             try:
                 # first, on a quiet host: after the throughput run the load average is ~15 for a while
-                create_mgr, create_same, create_raw = await bench_create(sup, image, max(3, args.n // 4))
+                create_mgr, create_same, create_raw = await bench_create(sup, image, args.create_samples or max(3, args.n // 4))
                 create_load = load()
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
@@ -654,6 +654,9 @@ if __name__ == "__main__":
     ap.add_argument("--chats", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--restored", type=int, default=3, help="RESTORED turns per arm (each a stop and a start)")
+    ap.add_argument("--create-samples", type=int, default=None,
+                    help="new sandboxes per arm for the create+start ratio (default N/4, at least 3): its "
+                         "engine start moves by +-10 ms from one to the next, so a few samples move the ratio by 5%%")
     ap.add_argument("--uvloop", action="store_true", help="run the daemon on uvloop (as `cloud-agent serve` does "
                     "when uvloop is installed: uvicorn's loop=auto)")
     ap.add_argument("--keeper-arm", action="store_true",

@@ -2,10 +2,10 @@
 marker) and how it is proven the recorded one (identity labels, the engine data root, the
 configured image, the model gate).
 
-Both a resolve (``sandbox_manager.sandboxes``) and a replacement or migration
-(``sandbox_manager.replacement``, ``sandbox_manager.migration``) need these: the manager
-inherits them, and the replacement steps take a :class:`ChatContainers`, so they never need
-the manager that calls them.
+A resolve (``sandbox_manager.sandboxes``), a new sandbox (``sandbox_manager.creation``) and
+a replacement or migration (``sandbox_manager.replacement``, ``sandbox_manager.migration``)
+need these: the manager inherits them, and the creation and replacement steps take a
+:class:`ChatContainers`, so they never need the manager that calls them.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ import anyio
 import structlog
 
 from sandbox_manager.chat_containers import ChatContainers, started_at
+from sandbox_manager.creation import create_sandbox
 from sandbox_manager.disk_bound import DISK_QUOTA
-from sandbox_manager.engine import Conflict, ContainerInfo, Engine, ImageInfo, NotFound
+from sandbox_manager.engine import ContainerInfo, Engine, ImageInfo, NotFound
 from sandbox_manager.identity import LostReason, Replaced, SandboxLost, container_name
 from sandbox_manager.integrity import Facts
 from sandbox_manager.member_processes import MemberProcesses
@@ -140,7 +141,9 @@ class SandboxManager(ChatContainers, MemberProcesses):
             if not create:
                 raise KeyError((user_id, chat_id))
             await before_start()
-            return await self._create(user_id, chat_id)
+            sandbox = await create_sandbox(self, user_id, chat_id)
+            self._changed(user_id, chat_id, SandboxState.RUNNING)
+            return sandbox
         if rec.state == SandboxState.LOST:
             raise SandboxLost(LostReason.PREVIOUSLY_LOST, rec.lost_reason or "")
         if (resident and rec.host_id == self.config.host_id and rec.state == SandboxState.RUNNING
@@ -225,84 +228,7 @@ class SandboxManager(ChatContainers, MemberProcesses):
                               f"created in data root {rec.data_root_id[:12]}, engine now has "
                               f"{(current_root or 'none')[:12]}")
 
-    # -- create and remove -----------------------------------------------------------------------
-
-    async def _create(self, user_id: str, chat_id: str) -> Sandbox:
-        # both kept from the last new sandbox while the engine's events say nothing changed them
-        image = await self.image_for_new_sandbox(self.config.image)
-        root = await self.data_root_id()
-        name = container_name(user_id, chat_id)
-        vol = await self.new_volume(user_id, chat_id, root)  # an existing volume: SANDBOX_UNRECORDED
-        try:
-            info = await self.disk.create(self.spec(user_id, chat_id, root, image, vol.name))
-        except Conflict:
-            # A container with this identity but no record: the store lost track of it. Asked
-            # by the create itself (its name is taken), not by an inspect before every new
-            # sandbox (issue 16); the volume just made for it goes again, nothing ran on it.
-            with anyio.CancelScope(shield=True):
-                await self.engine.remove_volume(vol.name)
-            raise SandboxLost(LostReason.SANDBOX_UNRECORDED, f"{name} exists without a record") from None
-        # The image's home was copied into the volume at the create, and nothing has run in
-        # the container yet: the marker goes straight into the volume's content (not the
-        # archive API's ~57 ms re-exec of the engine, which the start then waited behind)
-        marked = await self.write_marker_on_host(vol, user_id, chat_id)
-        ts = now()
-        rec = SandboxRecord(user_id=user_id, chat_id=chat_id, container_id=info.id, container_name=name,
-                            image_id=image.id, data_root_id=root, host_id=self.config.host_id,
-                            state=SandboxState.RUNNING, created_at=ts, last_used_at=ts,
-                            volume_name=vol.name, volume_id=vol.volume_id)
-        # Shielded: a container that may have started is recorded whatever interrupts its creator
-        # (unrecorded, its chat would be LOST as sandbox_unrecorded).
-        with anyio.CancelScope(shield=True):
-            if marked:
-                # Marked, the container is the chat's from its create on: its record is committed
-                # while the engine starts it (issue 16). A failed start leaves the record of a
-                # stopped container, which the next resolve starts and checks like any other.
-                await self._start_while_recording(info.id, rec)
-            else:
-                await self.engine.start(info.id)
-            # Taken before the inspect: an event of the container after it drops what is put below.
-            token = self.integrity.token(info.id)
-            # Not waited for here: the model gate's listening line (6-9 ms after the start). Every
-            # CLI's launcher waits for the gate to listen before the CLI starts
-            # (ChatContainers.model_endpoint), and nothing reads the gate's report of the marker
-            # just written. A restart still waits for it (_start_checked: the marker's verdict).
-            started = await self.engine.inspect(info.id)
-            self.saw_marker(started)
-            if not marked:
-                await self.write_marker(started.id, user_id, chat_id, vol.volume_id)
-                await self.store.put_sandbox(rec)  # only once the marker is there
-        self._changed(user_id, chat_id, SandboxState.RUNNING)
-        log.info("sandbox.created", container=name, volume=vol.name, image=image.id[:19], network="none")
-        # What a check of the next turn would establish holds by construction (this container,
-        # of the checked image, in this data root, on its new volume, its marker written): the
-        # chat's second turn is served from these facts, not from four engine calls (issue 16).
-        self.integrity.put(token, Facts(started, image, root, vol.name))
-        return Sandbox(record=rec, container=started, image=image, created=True)
-
-    async def _start_while_recording(self, container_id: str, rec: SandboxRecord) -> None:
-        """The engine's start and the record's commit side by side; either failure is raised as
-        itself (the start's first), after both ended."""
-        recorded: Exception | None = None
-        start_failed: Exception | None = None
-
-        async def record() -> None:
-            nonlocal recorded
-            try:
-                await self.store.put_sandbox(rec)
-            except Exception as exc:  # raised below, as itself
-                recorded = exc
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(record)
-            try:
-                await self.engine.start(container_id)
-            except Exception as exc:  # raised below, as itself (a task group would wrap it)
-                start_failed = exc
-        if start_failed is not None:
-            raise start_failed
-        if recorded is not None:
-            raise recorded
+    # -- start and remove ------------------------------------------------------------------------
 
     async def _start_checked(self, rec: SandboxRecord, container_id: str) -> ContainerInfo:
         """Start a stopped container, its model gate up, and check its volume's marker from the

@@ -1,5 +1,5 @@
 """A new sandbox whose marker was written from the host is recorded while the engine starts
-it (SandboxManager._start_while_recording, issue 16): both always end, and each failure is
+it (start_while_recording, issue 16): both always end, and each failure is
 raised as itself, the start's first."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from sandbox_manager.engine import EngineError
-from sandbox_manager.sandboxes import SandboxManager
+from sandbox_manager.creation import start_while_recording
 from state.contract import StoreUnavailable
 
 pytestmark = pytest.mark.anyio
@@ -37,7 +37,7 @@ async def test_the_record_is_committed_while_the_engine_starts_the_container() -
         order.append("recorded")
         recorded.set()
 
-    await SandboxManager._start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]
+    await start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]
     assert order == ["start c1", "record", "recorded", "started"]
 
 
@@ -52,7 +52,7 @@ async def test_a_failed_start_is_raised_as_itself_after_the_record_is_committed(
         written.append(rec.container_id)
 
     with pytest.raises(EngineError, match="cannot start container c1"):
-        await SandboxManager._start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]
+        await start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]
     assert written == ["c1"]
 
 
@@ -67,7 +67,7 @@ async def test_a_failed_record_is_raised_as_itself_after_the_start_ended() -> No
         raise StoreUnavailable("database is locked")
 
     with pytest.raises(StoreUnavailable, match="database is locked"):
-        await SandboxManager._start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]
+        await start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]
     assert started == ["c1"]
 
 
@@ -80,4 +80,4 @@ async def test_both_failed_raises_the_starts() -> None:
         raise StoreUnavailable("database is locked")
 
     with pytest.raises(EngineError, match="cannot start container c1"):
-        await SandboxManager._start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]
+        await start_while_recording(manager(start, put), "c1", REC)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from sandbox_manager.chat_containers import ChatContainers
 from sandbox_manager.engine import Conflict
 from sandbox_manager.identity import LostReason, SandboxLost, container_name
 from sandbox_manager.integrity import Facts
+from sandbox_manager.reads_at_once import read_at_once
 from sandbox_manager.sandbox import Sandbox
 from state.records import SandboxRecord, SandboxState
 from state.store import now
@@ -83,23 +84,7 @@ async def create_sandbox(manager: ChatContainers, user_id: str, chat_id: str) ->
 async def start_while_recording(manager: ChatContainers, container_id: str, rec: SandboxRecord) -> None:
     """The engine's start and the record's commit side by side; either failure is raised as
     itself (the start's first), after both ended."""
-    recorded: Exception | None = None
-    start_failed: Exception | None = None
-
-    async def record() -> None:
-        nonlocal recorded
-        try:
-            await manager.store.put_sandbox(rec)
-        except Exception as exc:  # raised below, as itself
-            recorded = exc
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(record)
-        try:
-            await manager.engine.start(container_id)
-        except Exception as exc:  # raised below, as itself (a task group would wrap it)
-            start_failed = exc
-    if start_failed is not None:
-        raise start_failed
-    if recorded is not None:
-        raise recorded
+    started, recorded = await read_at_once(lambda: manager.engine.start(container_id),
+                                           lambda: manager.store.put_sandbox(rec))
+    started.get()
+    recorded.get()

@@ -1,4 +1,4 @@
-"""Independent engine reads made at once, judged one by one in a fixed order (issue 16).
+"""Independent engine calls made at once, judged one by one in a fixed order (issue 16).
 
 A turn that checks a recorded sandbox against the engine (a RESTORED turn, any turn that
 launches a CLI) reads four things that depend on nothing but the record: the data root's
@@ -6,6 +6,8 @@ marker volume, the image, the chat's volume and its container. One after the oth
 were four round trips to the engine before the start (~3 ms here). A read decides nothing
 by itself, so they are made together; the caller then judges them in the order it always
 has, and the first check that fails names the reason, whatever failed in the reads after it.
+A new sandbox's start and its record's commit go side by side the same way
+(sandbox_manager.creation): each error is raised as itself, not wrapped in a group.
 """
 
 from __future__ import annotations

@@ -43,11 +43,11 @@ from sandbox_manager.identity import LostReason, Replaced, SandboxLost, containe
 from sandbox_manager.integrity import Facts
 from sandbox_manager.member_processes import MemberProcesses
 from sandbox_manager.migration import ASIDE_SUFFIX, migrate
+from sandbox_manager.reads_at_once import read_at_once
 from sandbox_manager.replacement import BeforeReplace, Replacement, replace
 from sandbox_manager.sandbox import Sandbox
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sealing import GateReport
-from sandbox_manager.reads_at_once import read_at_once
 from sandbox_manager.volumes import check_marker, check_mount, judge_marker, judge_volume, volume_name
 from state.records import SandboxRecord, SandboxState
 from state.sandbox_writes import SeenSandbox

@@ -92,12 +92,16 @@ async def test_the_four_reads_of_a_check_are_in_flight_together(tmp_path: Path) 
         assert sandbox.container.status == "running" and not sandbox.created
 
 
+async def lose_container_and_volume(manager: SandboxManager, engine: FakeEngine) -> None:
+    rec = await manager.store.get_sandbox(USER, CHAT)
+    assert rec is not None and rec.volume_name is not None
+    engine.containers.clear()
+    engine.volumes.pop(rec.volume_name)
+
+
 async def test_a_changed_data_root_is_named_before_a_missing_volume_or_container(tmp_path: Path) -> None:
     async with recorded(tmp_path) as (manager, engine):
-        rec = await manager.store.get_sandbox(USER, CHAT)
-        assert rec is not None and rec.volume_name is not None
-        engine.containers.clear()
-        engine.volumes.pop(rec.volume_name)
+        await lose_container_and_volume(manager, engine)
         engine.data_root = "root-2"
         with pytest.raises(SandboxLost) as lost:
             await manager.resolve(USER, CHAT)
@@ -107,10 +111,7 @@ async def test_a_changed_data_root_is_named_before_a_missing_volume_or_container
 async def test_a_missing_volume_is_named_before_a_missing_container(tmp_path: Path) -> None:
     """Read together, the container's NotFound must not turn a lost volume into a new container."""
     async with recorded(tmp_path) as (manager, engine):
-        rec = await manager.store.get_sandbox(USER, CHAT)
-        assert rec is not None and rec.volume_name is not None
-        engine.containers.clear()
-        engine.volumes.pop(rec.volume_name)
+        await lose_container_and_volume(manager, engine)
         engine.calls.clear()
         with pytest.raises(SandboxLost) as lost:
             await manager.resolve(USER, CHAT)

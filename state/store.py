@@ -4,8 +4,9 @@ The embedded default implementation of :class:`state.contract.StoreContract` (th
 invariants are listed there; ``state.postgres`` is the fleet's implementation). SQLite's
 atomic commit means a ``kill -9`` at any point leaves the whole turn or none.
 
-All calls run on one connection in a worker thread (one at a time), so the event loop
-never blocks on disk; ``BEGIN IMMEDIATE`` serialises every writing transaction.
+All calls run on one connection in the store's own thread (state.store_thread, one at a
+time), so the event loop never blocks on disk; ``BEGIN IMMEDIATE`` serialises every writing
+transaction.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TypeVar
 
 import anyio
 
+from state.chat_deletion import SQLiteChatDeletion
 from state.contract import (
     Claim,
     Fenced,
@@ -29,22 +31,28 @@ from state.contract import (
     fork_where,
     now,
 )
-from state.migrations import migrate
-from state.sandbox_writes import SandboxWrites, SeenSandbox
-from state.wal_flush_child import flush as fsync_first_of
-from state.wal_flusher import FlushFailed, FlusherGone, WalFlusher
 from state.keepers import SQLiteKeepers, sqlite_put_keeper
-from state.sqlite_fleet import NOW_MS, SQLiteFleet
-from state.chat_deletion import SQLiteChatDeletion
-from state.wire_ledger import SettleQuery, SQLiteWireLedger, WireSettleView, sqlite_put_turn, sqlite_settle_view
+from state.migrations import migrate
 from state.records import (
     JobRecord,
-    PendingFork,
     JobState,
     MemberRecord,
+    PendingFork,
     SandboxRecord,
     SandboxState,
     SavedLocator,
+)
+from state.sandbox_writes import SandboxWrites, SeenSandbox
+from state.sqlite_fleet import NOW_MS, SQLiteFleet
+from state.store_thread import StoreThread
+from state.wal_flush_child import flush as fsync_first_of
+from state.wal_flusher import FlusherGone, FlushFailed, WalFlusher
+from state.wire_ledger import (
+    SettleQuery,
+    SQLiteWireLedger,
+    WireSettleView,
+    sqlite_put_turn,
+    sqlite_settle_view,
 )
 
 T = TypeVar("T")
@@ -61,7 +69,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
-        self._limiter = anyio.CapacityLimiter(1)
+        self._thread = StoreThread(f"store {path.name}")
         self._lease: HostLease | None = None
         self.sandbox_writes = SandboxWrites()
         self._wal_paths = [f"{path}-wal", str(path)]  # what a flush fsyncs: the first that exists
@@ -87,7 +95,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             with self._lock:
                 return fn(self._db)
 
-        return await anyio.to_thread.run_sync(call, limiter=self._limiter)
+        return await self._thread.run(call)
 
     async def _write_sandbox(self, user_id: str, chat_id: str, fn: Callable[[sqlite3.Connection], None]) -> None:
         try:

@@ -22,8 +22,8 @@ Sealing (each model request through the proxy process, issue 12) is not among th
 arm's CLI runs in the same sealed sandbox and reaches the model the same way.
 
 Interleaved sample by sample, this measures the round trip of each kind of hop with the same
-libraries the daemon uses: an anyio worker-thread hop, a durable SQLite commit on it, a
-unix-socket round trip to another process, and an HTTP/1.1 exchange with a uvicorn (httptools)
+libraries the daemon uses: an anyio worker-thread hop beside the store's own thread's
+(state.store_thread), a durable SQLite commit on the latter, a unix-socket round trip to another process, and an HTTP/1.1 exchange with a uvicorn (httptools)
 server in another process, from the leanest client possible and from httpx. It prints their p50s and the sum for the
 *fewest* hops a LIVE turn can make under those requirements, with the leanest client: a
 floor no implementation on this machine gets below, printed next to the issue's 5 ms.
@@ -45,6 +45,8 @@ from pathlib import Path
 
 import anyio
 import httpx
+
+from state.store_thread import StoreThread
 
 SERVER = """
 import sys, uvicorn
@@ -80,14 +82,14 @@ def pct(xs: list[float], p: float) -> float:
 
 
 class Commit:
-    """A durable one-row transaction, as the store's ``_tx`` on its worker thread."""
+    """A durable one-row transaction, as the store's ``_tx`` on its own thread."""
 
     def __init__(self, path: Path) -> None:
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, body TEXT)")
-        self.limiter = anyio.CapacityLimiter(1)
+        self.thread = StoreThread("bench commit")
 
     def _tx(self) -> None:
         self.db.execute("BEGIN IMMEDIATE")
@@ -95,7 +97,7 @@ class Commit:
         self.db.execute("COMMIT")
 
     async def __call__(self) -> None:
-        await anyio.to_thread.run_sync(self._tx, limiter=self.limiter)
+        await self.thread.run(self._tx)
 
 
 async def main(n: int) -> None:
@@ -114,8 +116,13 @@ async def main(n: int) -> None:
                 await anyio.sleep(0.02)
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=sock), base_url="http://daemon") as client:
 
+            store_thread = StoreThread("bench hop")
+
             async def thread() -> None:
                 await anyio.to_thread.run_sync(lambda: None)
+
+            async def store() -> None:
+                await store_thread.run(lambda: None)
 
             async def process() -> None:
                 await loop.sock_sendall(ours, b"x" * 64)
@@ -145,7 +152,7 @@ async def main(n: int) -> None:
                 while len(rest) < length:
                     rest += await loop.sock_recv(raw, 65536)
 
-            hops = {"thread": thread, "commit": commit, "process": process, "http": http, "httpx": httpx_client}
+            hops = {"thread": thread, "store": store, "commit": commit, "process": process, "http": http, "httpx": httpx_client}
             for fn in hops.values():  # warm up: connections, thread pool, page cache
                 for _ in range(20):
                     await fn()
@@ -163,7 +170,8 @@ async def main(n: int) -> None:
         echo.terminate()
         server.wait(10)
         echo.wait(10)
-    what = {"thread": "anyio worker-thread hop (no work)", "commit": "durable SQLite commit on the worker thread",
+    what = {"thread": "anyio worker-thread hop (no work)", "store": "the store's own thread's hop (no work)",
+            "commit": "durable SQLite commit on the store's thread",
             "process": "unix-socket round trip to another process",
             "http": "HTTP/1.1 exchange with uvicorn, the leanest client (one write, read to the end)",
             "httpx": "the same exchange from httpx (the benches' API client)"}

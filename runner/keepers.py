@@ -67,14 +67,17 @@ class Keepers:
         # The exec starts in the agent's home (always present); the launcher chdirs to spec.cwd.
         channel = await keeper_sandbox.start(self.manager.engine, sandbox.container_id, argv, env=dict(spec.env),
                                              workdir="/home/agent", files=files)
+        # the turns' lines go to the keeper's socket from the host, not through the start's relay
+        channel = await keeper_sandbox.go_direct(channel, sandbox.init_pid, paths)
         return KeeperHandle(channel, paths, sandbox.container_id, run_dir)
 
-    async def attach(self, rec: KeeperRecord) -> KeeperHandle:
+    async def attach(self, rec: KeeperRecord, init_pid: int | None = None) -> KeeperHandle:
         """Re-attach from the acknowledged offset; any keeper but the recorded one is refused
-        (``KeeperIdentityMismatch``) before anything of its output is read."""
+        (``KeeperIdentityMismatch``) before anything of its output is read. ``init_pid``: the
+        sandbox's init seen from the host, for a link that needs no exec."""
         paths = KeeperPaths.in_run_dir(rec.run_dir)
         channel = await keeper_sandbox.attach(self.manager.engine, rec.container_id, paths, from_offset=rec.acked,
-                                              expect=KeeperIdentity.model_validate(rec.identity))
+                                              expect=KeeperIdentity.model_validate(rec.identity), init_pid=init_pid)
         return KeeperHandle(channel, paths, rec.container_id, rec.run_dir)
 
     async def kill(self, container_id: str, run_dir: str) -> None:

@@ -86,8 +86,13 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
         # committed, but the previous daemon died before recording the keeper between turns:
         # the snapshot predates that turn, so this process is not trusted for the next one
         return "snapshot_stale"
+    try:  # the sandbox's init seen from the host: the link to the keeper, the memory budget's readings
+        info = await manager.engine.inspect(rec.container_id)
+        init_pid = info.attrs.get("State", {}).get("Pid") or None
+    except Exception:  # noqa: BLE001 - the attach goes through an exec and readings fall back without it
+        init_pid = None
     try:
-        handle = await runner.keepers.attach(rec)
+        handle = await runner.keepers.attach(rec, init_pid)
     except KeeperIdentityMismatch as exc:
         log.error("keeper.identity_refused", member=key[2], detail=str(exc))
         return f"identity_mismatch: {exc}"
@@ -104,11 +109,6 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
     session = driver.session(transport, launch)
     session.restore(rec.session)
     keepers = runner.keepers
-    try:  # the sandbox's init seen from the host: the memory budget's readings (runner.resident_memory)
-        info = await manager.engine.inspect(rec.container_id)
-        init_pid = info.attrs.get("State", {}).get("Pid") or None
-    except Exception:  # noqa: BLE001 - readings fall back; adoption does not depend on them
-        init_pid = None
     runner.pool.add(Resident(key=key, runtime=rec.runtime, session=session, container_id=rec.container_id,
                              pidfile=handle.paths.pidfile,  # the keeper's group: it and the CLI's tree below it
                              relay_socket=handle.paths.socket,

@@ -339,7 +339,7 @@ class TurnRunner:
         job, sandbox = ctx.job, ctx.sandbox
         assert sandbox is not None
         keepers = self.keepers
-        host_init_pid = sandbox.container.attrs.get("State", {}).get("Pid") or None
+        host_init_pid = sandbox.init_pid
         async with self.launch_gate(key, job.runtime) if self.launch_gate else nullcontext():
             if keepers is not None:
                 try:

@@ -1,8 +1,10 @@
 """Keepers inside a sandbox through the engine seam: start, re-attach, status, retire.
 
 A start is one attached exec (``ca-keeper run … -- LAUNCH``: the keeper forks off and the
-exec becomes its first client), a re-attach after a daemon restart is one attached exec
-(``ca-keeper attach``), a status query and a retire are one plain exec each.
+exec becomes its first client, until :func:`go_direct` links to the keeper's socket from the
+host), a re-attach after a daemon restart is a link from the host too, or one attached exec
+(``ca-keeper attach``) where the host cannot make one (sandbox_manager.keeper_link); a status
+query and a retire are one plain exec each.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sandbox_manager.exec_stream import ExecStreamClosed
 from sandbox_manager.keeper import ExecBytes, KeeperChannel
 from sandbox_manager.keeper_errors import KeeperProtocolError, KeeperUnavailable
 from sandbox_manager.keeper_identity import KeeperHello, KeeperIdentity
+from sandbox_manager.keeper_link import link_direct
 
 IN_SANDBOX_KEEPER = "ca-keeper"
 
@@ -110,10 +113,29 @@ async def start(engine: Engine, container_id: str, argv: list[str], *, env: dict
                                     timeout_s=timeout_s, auto_ack_bytes=auto_ack_bytes)
 
 
+async def go_direct(channel: KeeperChannel, init_pid: int | None, paths: KeeperPaths) -> KeeperChannel:
+    """After a start: the same keeper through its socket from the host, the start's exec (its
+    relay) closed, when the host can link to it (sandbox_manager.keeper_link); else ``channel``.
+    Nothing has been read from ``channel`` yet: the new link reads from where it stands."""
+    direct = await link_direct(init_pid, paths.socket, expect=channel.identity, from_offset=channel.offset,
+                               auto_ack_bytes=channel.auto_ack_bytes)
+    if direct is None:
+        return channel
+    await channel.detach()  # superseded by the new link already: the relay ends with its exec
+    return direct
+
+
 async def attach(engine: Engine, container_id: str, paths: KeeperPaths, *, from_offset: int,
                  expect: KeeperIdentity | None, timeout_s: float = 30.0,
-                 auto_ack_bytes: int | None = None) -> KeeperChannel:
-    """Re-attach (one attached exec) from ``from_offset``, refusing any keeper but ``expect``."""
+                 auto_ack_bytes: int | None = None, init_pid: int | None = None) -> KeeperChannel:
+    """Re-attach from ``from_offset``, refusing any keeper but ``expect``: through the keeper's
+    socket from the host when ``init_pid`` (the sandbox's init, a host pid) lets it, else one
+    attached exec."""
+    if expect is not None:
+        direct = await link_direct(init_pid, paths.socket, expect=expect, from_offset=from_offset,
+                                   timeout_s=timeout_s, auto_ack_bytes=auto_ack_bytes)
+        if direct is not None:
+            return direct
     try:
         stream = await engine.exec_attached(container_id, attach_argv(paths))
     except NotFound as exc:

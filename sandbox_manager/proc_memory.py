@@ -9,9 +9,9 @@ parent. A group's memory is the sum over its processes and their descendants (a 
 that left the group still belongs to the resident) of RSS (``VmRSS``) and of PSS
 (``smaps_rollup``) — a child still in its parent's address space (a spawn before its exec,
 :mod:`sandbox_manager.shared_vm`) counted once, with its parent. A keeper's relay — the
-attached exec (``ca-keeper run|attach --socket PATH``) that carries the daemon's link to it,
-in a session of its own and not the keeper's child after a re-attach — belongs to the
-resident too: it lives as long as the link, and it is a Python process of ~12 MiB. Everything
+attached exec (``ca-keeper run|attach --socket PATH``) that carries the daemon's link to it
+where the host does not link to the keeper's socket itself (sandbox_manager.keeper_link), in a
+session of its own and not the keeper's child after a re-attach — belongs to the resident too: it lives as long as the link, and it is a Python process of ~12 MiB. Everything
 here is blocking file I/O: call it in a worker thread.
 """
 

@@ -33,5 +33,10 @@ class Sandbox:
         return self.image.labels.get("http-agent-live-bridge")
 
     @property
+    def init_pid(self) -> int | None:
+        """The container's init as a host pid (the engine's ``State.Pid``), None when not known."""
+        return self.container.attrs.get("State", {}).get("Pid") or None
+
+    @property
     def volume(self) -> str | None:
         return self.record.volume_name

@@ -43,6 +43,20 @@ def cli_alive(docker_client, cid: str, pid: int) -> bool:
     return bool(out) and not out.startswith("Z")
 
 
+async def only_the_keeper(docker_client, cid: str) -> list[str]:
+    """The sandbox's ca-keeper processes once the daemon's link settles: the keeper alone. The
+    daemon links to its socket from the host (sandbox_manager.keeper_link), so neither the
+    start's exec (``ca-keeper run``, its relay) nor a re-attach's (``ca-keeper attach``) stays."""
+    with anyio.fail_after(10):
+        while True:
+            ps = docker_client.containers.get(cid).exec_run(["ps", "-eo", "stat=,args="]).output.decode()
+            rows = [line.split(None, 1)[1] for line in ps.splitlines()
+                    if "/ca-keeper " in line and not line.split()[0].startswith("Z")]
+            if len(rows) == 1:
+                return rows
+            await anyio.sleep(0.2)
+
+
 async def turn(client: httpx.AsyncClient, fx, chat: Chat, message: str) -> dict[str, Any]:
     expected = chat.expect_turn(message)
     mark = high_water(fx)
@@ -66,6 +80,7 @@ async def test_resident_is_live_after_sigterm_and_after_kill_9(runtime, fx, tmp_
         ident = keeper_row(home, chat)["identity"]
         cid = first["sandbox"]["container_id"]
         assert cli_alive(docker_client, cid, ident["pid"])
+        assert " run " in (await only_the_keeper(docker_client, cid))[0]
         dp.terminate()  # SIGTERM: a graceful shutdown leaves the resident running
     assert cli_alive(docker_client, cid, ident["pid"])
     for i, stop in enumerate(("kill -9", "end")):
@@ -75,6 +90,7 @@ async def test_resident_is_live_after_sigterm_and_after_kill_9(runtime, fx, tmp_
                 assert receipt["context_status"] == "LIVE", receipt
                 assert receipt["locator_before"] == first["locator_after"] == receipt["locator_after"]
                 assert receipt["sandbox"]["container_id"] == cid
+                assert " run " in (await only_the_keeper(docker_client, cid))[0]  # re-attached with no exec
             assert keeper_row(home, chat)["identity"] == ident  # the very same native process
             if stop == "kill -9":
                 dp.kill9()

@@ -15,6 +15,7 @@ from sandbox_manager import keeper_sandbox
 from sandbox_manager.engine import DockerEngine, FileEntry
 from sandbox_manager.keeper import KeeperChannel
 from sandbox_manager.keeper_errors import KeeperIdentityMismatch, KeeperUnavailable
+from sandbox_manager.keeper_link import NoDirectLink, SocketBytes, connect_in_sandbox
 from sandbox_manager.keeper_sandbox import KeeperPaths, run_prefix
 from tests.support.keeper_local import FAKE_CLI, ROOT
 from tests.support.throwaway_container import throwaway_container
@@ -259,3 +260,46 @@ async def test_real_pi_rpc_get_state_read_back_across_a_reattach(engine, sandbox
         await ch.shutdown(grace_s=2.0)
         rows = await procs(engine, sandbox)
         assert not [r for r in rows if r["pgid"] == str(ident.pid)], rows
+
+
+async def test_a_keeper_is_linked_from_the_host_and_its_relay_ends(engine, sandbox) -> None:
+    """After the start, the keeper's socket from the host (sandbox_manager.keeper_link): the
+    start's exec (its relay) ends, and the CLI's lines come through the socket."""
+    paths = member_paths()
+    with anyio.fail_after(90):
+        started = await keeper_sandbox.start(engine, sandbox, fake_argv(paths))
+        init_pid = (await engine.inspect(sandbox)).attrs["State"]["Pid"]
+        ch = await keeper_sandbox.go_direct(started, init_pid, paths)
+        assert isinstance(ch.stream, SocketBytes)
+        assert json.loads(await ch.receive()) == {"ready": ch.identity.pid}
+        await ch.send(b'{"op":"env","name":"HOME"}')
+        assert json.loads(await ch.receive()) == {"env": "HOME", "value": "/home/agent"}
+        keeper_pid = str(ch.hello.keeper_pid)
+        while True:  # the start's own process (the relay) ends once its exec is closed
+            on_socket = [r for r in await procs(engine, sandbox) if paths.socket in r["args"]
+                         and not r["stat"].startswith("Z")]
+            if [r["pid"] for r in on_socket] == [keeper_pid]:
+                break
+            await anyio.sleep(0.1)
+        await ch.shutdown()
+
+
+async def test_a_socket_path_pointing_out_of_the_sandbox_is_never_linked(engine, sandbox) -> None:
+    """The sandbox owns its run dir: a symlink in the keeper socket's place naming the engine's
+    socket would, read from the host through /proc/<pid>/root, reach the host's engine. The
+    peer is outside the sandbox's pid namespace: refused before a byte is sent, and the attach
+    falls back to an exec, which resolves the path inside the sandbox (no such socket there)."""
+    paths = member_paths()
+    with anyio.fail_after(90):
+        started = await keeper_sandbox.start(engine, sandbox, fake_argv(paths))
+        identity = started.identity
+        init_pid = (await engine.inspect(sandbox)).attrs["State"]["Pid"]
+        await started.detach()
+        code, out = await engine.exec_run(sandbox, ["ln", "-sfn", "/var/run/docker.sock", paths.socket])
+        assert code == 0, out
+        assert os.path.exists("/var/run/docker.sock")  # the host's engine answers there
+        with pytest.raises(NoDirectLink, match="outside the sandbox's pid namespace"):
+            await anyio.to_thread.run_sync(connect_in_sandbox, init_pid, paths.socket)
+        with pytest.raises(KeeperUnavailable):
+            await keeper_sandbox.attach(engine, sandbox, paths, from_offset=0, expect=identity, init_pid=init_pid)
+        await keeper_sandbox.retire(engine, sandbox, paths)

@@ -30,6 +30,7 @@ import structlog
 
 from sandbox_manager.exec_stream import ExecStreamClosed
 from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_errors import KeeperUnavailable
 from sandbox_manager.keeper_identity import KeeperIdentity
 
 log = structlog.get_logger("keeper_link")
@@ -107,15 +108,16 @@ def _pid_namespace(proc: str, pid: int) -> tuple[int, int]:
 async def link_direct(init_pid: int | None, socket_path: str, *, expect: KeeperIdentity, from_offset: int,
                       timeout_s: float = 30.0, auto_ack_bytes: int | None = None) -> KeeperChannel | None:
     """Attach to the keeper through its socket from the host; ``None`` where the host cannot
-    (the caller attaches through an exec). Once a socket in the sandbox answered, its errors are
-    the attach's (``KeeperIdentityMismatch`` for another keeper, a refusal for a bad offset),
-    as an exec's attach to the same path would raise them."""
+    (the caller attaches through an exec). A keeper that answered is the attach's answer
+    (``KeeperIdentityMismatch`` for another keeper, a refusal for a bad offset), as an exec's
+    attach to the same path would raise it; one that closed before its hello (a keeper ending
+    as its CLI failed to start) is ``None`` too: the caller's own link says what happened."""
     if init_pid is None:
         return None
     try:
         sock = await anyio.to_thread.run_sync(connect_in_sandbox, init_pid, socket_path)
-    except NoDirectLink as exc:
+        return await KeeperChannel.open(SocketBytes(sock), from_offset=from_offset, expect=expect,
+                                        timeout_s=timeout_s, auto_ack_bytes=auto_ack_bytes)
+    except (NoDirectLink, KeeperUnavailable) as exc:
         log.info("keeper.no_direct_link", detail=str(exc))
         return None
-    return await KeeperChannel.open(SocketBytes(sock), from_offset=from_offset, expect=expect, timeout_s=timeout_s,
-                                    auto_ack_bytes=auto_ack_bytes)

@@ -18,7 +18,13 @@ import pytest
 
 from sandbox_manager import keeper_sandbox
 from sandbox_manager.keeper_errors import KeeperIdentityMismatch
-from sandbox_manager.keeper_link import NoDirectLink, SocketBytes, connect_in_sandbox, link_direct
+from sandbox_manager.keeper_identity import KeeperIdentity
+from sandbox_manager.keeper_link import (
+    NoDirectLink,
+    SocketBytes,
+    connect_in_sandbox,
+    link_direct,
+)
 from sandbox_manager.keeper_sandbox import KeeperPaths, retire_argv
 from tests.support.keeper_local import fake_cli_argv, reap, start_local
 
@@ -70,6 +76,28 @@ async def test_no_socket_or_no_pid_is_no_link(paths, tmp_path) -> None:
     finally:
         await channel.detach()
         await reap(client)
+
+
+async def test_a_socket_that_closes_before_a_hello_is_no_link(tmp_path) -> None:
+    """A keeper ending as its CLI failed to start closes its clients: the caller's own link
+    (the start's exec) says what happened, so the host's link is given up, not raised."""
+    path = str(tmp_path / "keeper.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+    server.settimeout(10)
+
+    def close_one() -> None:
+        conn, _ = server.accept()
+        conn.close()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, close_one)
+            identity = KeeperIdentity(keeper_id="k" * 32, pid=1, start_time=1, member="m1")
+            assert await link_direct(os.getpid(), path, expect=identity, from_offset=0) is None
+    finally:
+        server.close()
 
 
 async def test_reattach_needs_no_exec(paths) -> None:

@@ -20,12 +20,12 @@ engine), :func:`link_direct` returns ``None`` and the caller keeps the attached 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import struct
 
 import anyio
+import anyio.abc
 import structlog
 
 from sandbox_manager.exec_stream import ExecStreamClosed
@@ -44,36 +44,33 @@ class NoDirectLink(Exception):
 
 
 class SocketBytes:
-    """A connected unix socket as a keeper byte stream (sandbox_manager.keeper.ByteStream): the
-    loop's ``sock_*`` coroutines (proxy.sockets says why not anyio's streams), ``b""`` once the
-    peer is gone, :class:`ExecStreamClosed` for a send that cannot be made, as an exec's."""
+    """A connected unix socket as a keeper byte stream (sandbox_manager.keeper.ByteStream), on
+    anyio's socket stream as an exec's is (sandbox_manager.exec_stream): its close wakes a read
+    or a send in flight (a retire closes the link under a turn that is reading it), ``b""``
+    once the peer is gone, :class:`ExecStreamClosed` for a send that cannot be made."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        self.sock = sock
-        self._closed = False
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self.stream = stream
+
+    @classmethod
+    async def of(cls, sock: socket.socket) -> SocketBytes:
+        return cls(await anyio.abc.UNIXSocketStream.from_socket(sock))
 
     async def send_bytes(self, data: bytes) -> None:
-        if self._closed:
-            raise ExecStreamClosed("the keeper's socket is closed")
         try:
-            await asyncio.get_running_loop().sock_sendall(self.sock, data)
-        except OSError as exc:
+            await self.stream.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             raise ExecStreamClosed(f"the keeper's socket is gone: {exc!r}") from exc
 
     async def receive_bytes(self) -> bytes:
-        if self._closed:
-            return b""
         try:
-            return await asyncio.get_running_loop().sock_recv(self.sock, 65536)
-        except OSError:
+            return await self.stream.receive(65536)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             return b""
 
     async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.sock.close()
-        await anyio.lowlevel.checkpoint()
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
 
     def diagnostics(self) -> str:
         return ""
@@ -94,6 +91,7 @@ def connect_in_sandbox(init_pid: int, path: str, *, proc: str = "/proc") -> sock
             raise NoDirectLink(f"{path}: {exc.strerror or exc!r}") from None
         if served_from != sandbox:
             raise NoDirectLink(f"{path} is served by pid {peer} outside the sandbox's pid namespace")
+        sock.setblocking(False)
         return sock
     except BaseException:
         sock.close()
@@ -116,7 +114,7 @@ async def link_direct(init_pid: int | None, socket_path: str, *, expect: KeeperI
         return None
     try:
         sock = await anyio.to_thread.run_sync(connect_in_sandbox, init_pid, socket_path)
-        return await KeeperChannel.open(SocketBytes(sock), from_offset=from_offset, expect=expect,
+        return await KeeperChannel.open(await SocketBytes.of(sock), from_offset=from_offset, expect=expect,
                                         timeout_s=timeout_s, auto_ack_bytes=auto_ack_bytes)
     except (NoDirectLink, KeeperUnavailable) as exc:
         log.info("keeper.no_direct_link", detail=str(exc))

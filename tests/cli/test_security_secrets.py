@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -49,16 +50,28 @@ def run(client: httpx.Client, job: dict) -> tuple[dict, str]:
 
 
 def check_everywhere(s: Secrets, docker_client, client: httpx.Client, host_id: str, home: Path, image: str,
-                     log: str, streams: list[str], receipts: list[dict], user_id: str, chat_id: str) -> None:
+                     since: int, log: str, streams: list[str], receipts: list[dict], user_id: str,
+                     chat_id: str) -> None:
     containers = docker_client.containers.list(all=True, filters={"label": f"org.cloud-agent.host-id={host_id}"})
     assert len(containers) == 1
     container = containers[0]
     container.reload()
     s.absent("the container's config, labels, env or command", json.dumps(container.attrs))
-    exec_ids = container.attrs.get("ExecIDs") or []
-    assert exec_ids, "the engine kept no exec records to inspect"
-    for exec_id in exec_ids:
+    # Every exec the daemon made: the engine keeps a record only while its process runs (the
+    # keeper's start ends once the daemon links to its socket), so its events name each one's
+    # command, and the processes it started show their command lines and environments.
+    execs = list(docker_client.api.events(since=since, until=int(time.time()) + 1, decode=True,
+                                          filters={"container": container.id, "event": "exec_create"}))
+    assert execs, "the engine reported no exec of the sandbox"
+    for event in execs:
+        s.absent(f"exec {event['Actor']['Attributes'].get('execID', '?')[:12]} (exec_create event)", json.dumps(event))
+    for exec_id in container.attrs.get("ExecIDs") or []:
         s.absent(f"exec {exec_id[:12]} (exec inspect)", json.dumps(docker_client.api.exec_inspect(exec_id)))
+    # the agent's processes (the keeper and the CLI it started); root's come from the container's config
+    procs = container.exec_run(["sh", "-c", 'for p in /proc/[0-9]*; do cat "$p/cmdline" "$p/environ"; echo; done'],
+                               user="agent").output
+    assert b"/usr/local/bin/ca-keeper\x00run\x00" in procs and b"CLOUD_AGENT_CODEX_API_KEY=ca-placeholder-" in procs
+    s.absent("a sandbox process's command line or environment", procs)
     img = docker_client.images.get(image)
     s.absent("the image config", json.dumps(img.attrs))
     history = subprocess.run(["docker", "history", "--no-trunc", "--format", "{{json .}}", image],
@@ -94,6 +107,7 @@ def test_secrets_never_leak(fx, tmp_path, sandbox_image, docker_client) -> None:
            "CLOUD_AGENT_IMAGE": sandbox_image, "CLOUD_AGENT_HOST_ID": host_id}
     chat = Chat("codex")
     fx.add_rules(reject("the gateway refused this request", match="please fail"))
+    since = int(time.time()) - 1
     with spawn_daemon(home, env) as d, httpx.Client(base_url=d.url, timeout=300,
                                                     headers={"authorization": f"Bearer {s.token}"}) as client:
         receipts, streams = [], []
@@ -102,7 +116,7 @@ def test_secrets_never_leak(fx, tmp_path, sandbox_image, docker_client) -> None:
             assert receipt["outcome"] == "succeeded", text
             receipts.append(receipt)
             streams.append(text)
-        args = (s, docker_client, client, host_id, home, sandbox_image)
+        args = (s, docker_client, client, host_id, home, sandbox_image, since)
         check_everywhere(*args, d.log(), streams, receipts, chat.user_id, chat.chat_id)
 
         # a failing turn (a settled API error) and error answers

@@ -61,6 +61,30 @@ async def test_a_started_keeper_goes_direct_and_its_relay_ends(paths) -> None:
     await direct.shutdown()
 
 
+async def test_closing_the_link_ends_a_read_in_flight(paths) -> None:
+    """A retire closes the link under the turn that is reading it (a disk bound's stop): the
+    read ends at once instead of waiting on a socket nobody watches any more."""
+    channel, client = await start_local(paths, fake_cli_argv())
+    direct = await keeper_sandbox.go_direct(channel, os.getpid(), paths)
+    await direct.receive()  # ready; the CLI says nothing more unless asked
+    ended: list[str] = []
+
+    async def read() -> None:
+        try:
+            ended.append(repr(await direct.receive()))
+        except Exception as exc:  # noqa: BLE001 - which end it is, is asserted below
+            ended.append(type(exc).__name__)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.sleep(0.2)
+            assert ended == []
+            await direct.detach()
+    assert ended in (["None"], ["KeeperDetached"]), ended
+    await reap(client)
+
+
 async def test_no_socket_or_no_pid_is_no_link(paths, tmp_path) -> None:
     channel, client = await start_local(paths, fake_cli_argv())
     try:

@@ -117,8 +117,12 @@ async def go_direct(channel: KeeperChannel, init_pid: int | None, paths: KeeperP
     """After a start: the same keeper through its socket from the host, the start's exec (its
     relay) closed, when the host can link to it (sandbox_manager.keeper_link); else ``channel``.
     Nothing has been read from ``channel`` yet: the new link reads from where it stands."""
-    direct = await link_direct(init_pid, paths.socket, expect=channel.identity, from_offset=channel.offset,
-                               auto_ack_bytes=channel.auto_ack_bytes)
+    try:
+        direct = await link_direct(init_pid, paths.socket, expect=channel.identity, from_offset=channel.offset,
+                                   auto_ack_bytes=channel.auto_ack_bytes)
+    except BaseException:
+        await channel.detach()  # the start fails with the link's error: nothing keeps its exec
+        raise
     if direct is None:
         return channel
     await channel.detach()  # superseded by the new link already: the relay ends with its exec

@@ -164,6 +164,24 @@ async def test_a_symlink_to_another_keeper_is_refused_by_its_identity(paths, tmp
         subprocess.run(retire_argv(other, grace_s=1.0), check=False, timeout=30)
 
 
+async def test_a_start_whose_link_fails_closes_its_exec(paths, tmp_path) -> None:
+    other = KeeperPaths.in_run_dir(str(tmp_path / "other"))
+    mine, mine_client = await start_local(paths, fake_cli_argv(), member="m1")
+    theirs, theirs_client = await start_local(other, fake_cli_argv(), member="m2")
+    try:
+        os.unlink(paths.socket)
+        os.symlink(other.socket, paths.socket)
+        with pytest.raises(KeeperIdentityMismatch):
+            await keeper_sandbox.go_direct(mine, os.getpid(), paths)
+        with anyio.fail_after(10):
+            await mine_client.wait()  # the start's client (its exec, in a sandbox) was closed, not left open
+    finally:
+        await theirs.detach()
+        for client in (mine_client, theirs_client):
+            await reap(client)
+        subprocess.run(retire_argv(other, grace_s=1.0), check=False, timeout=30)
+
+
 # -- the pid namespace check, with a process unshare puts in a namespace of its own ----------------
 
 SERVE = """

@@ -59,6 +59,10 @@ class Settings(BaseModel):
     keeper_buffer_bytes: int = Field(default=64 << 20, ge=4096, description="CLOUD_AGENT_KEEPER_BUFFER_BYTES: CLI"
                                      " output a keeper holds unacknowledged (a turn's output); beyond it the keeper"
                                      " is broken and the member retires")
+    keeper_link: Literal["host", "exec"] = Field(
+        default="host", description="CLOUD_AGENT_KEEPER_LINK: host (the keeper's socket from the host, through the"
+                                    " sandbox's init; an attached exec where the host cannot) or exec (always an"
+                                    " attached exec, ca-keeper's relay)")
     max_message_bytes: int = Field(default=1024 * 1024, description="CLOUD_AGENT_MAX_MESSAGE_BYTES")
     max_body_bytes: int | None = Field(default=None, gt=0,
                                        description="CLOUD_AGENT_MAX_BODY_BYTES; default 6 x message + 64 KiB")
@@ -197,7 +201,7 @@ _ENV = {
     "CLOUD_AGENT_SANDBOX_DISK_MB": "sandbox_disk_mb", "CLOUD_AGENT_RETAIN_DAYS": "retain_days",
     "CLOUD_AGENT_SWEEP_INTERVAL_S": "sweep_interval_s",
     "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
-    "CLOUD_AGENT_KEEPER_BUFFER_BYTES": "keeper_buffer_bytes",
+    "CLOUD_AGENT_KEEPER_BUFFER_BYTES": "keeper_buffer_bytes", "CLOUD_AGENT_KEEPER_LINK": "keeper_link",
     "CLOUD_AGENT_HOST_ID": "host_id", "CLOUD_AGENT_PROBE_INTERVAL_S": "probe_interval_s",
     "CLOUD_AGENT_PROBE_TIMEOUT_S": "probe_timeout_s", "CLOUD_AGENT_CONTROL_PLANE_URL": "control_plane_url",
     "CLOUD_AGENT_CONTROL_PLANE_TIMEOUT_S": "control_plane_timeout_s",

@@ -46,10 +46,12 @@ class KeeperHandle:
 
 
 class Keepers:
-    def __init__(self, store: StoreContract, manager: SandboxManager, *, buffer_bytes: int) -> None:
+    def __init__(self, store: StoreContract, manager: SandboxManager, *, buffer_bytes: int,
+                 link_from_host: bool = True) -> None:
         self.store = store
         self.manager = manager
         self.buffer_bytes = buffer_bytes
+        self.link_from_host = link_from_host  # CLOUD_AGENT_KEEPER_LINK=host (else: exec only)
 
     async def start(self, sandbox: Sandbox, dirs: MemberDirs, launch: Launch, member_id: str) -> KeeperHandle:
         """Start the keeper and its CLI, the launch's files written first (one attached exec)."""
@@ -68,7 +70,8 @@ class Keepers:
         channel = await keeper_sandbox.start(self.manager.engine, sandbox.container_id, argv, env=dict(spec.env),
                                              workdir="/home/agent", files=files)
         # the turns' lines go to the keeper's socket from the host, not through the start's relay
-        channel = await keeper_sandbox.go_direct(channel, sandbox.init_pid, paths)
+        if self.link_from_host:
+            channel = await keeper_sandbox.go_direct(channel, sandbox.init_pid, paths)
         return KeeperHandle(channel, paths, sandbox.container_id, run_dir)
 
     async def attach(self, rec: KeeperRecord, init_pid: int | None = None) -> KeeperHandle:
@@ -77,7 +80,8 @@ class Keepers:
         sandbox's init seen from the host, for a link that needs no exec."""
         paths = KeeperPaths.in_run_dir(rec.run_dir)
         channel = await keeper_sandbox.attach(self.manager.engine, rec.container_id, paths, from_offset=rec.acked,
-                                              expect=KeeperIdentity.model_validate(rec.identity), init_pid=init_pid)
+                                              expect=KeeperIdentity.model_validate(rec.identity),
+                                              init_pid=init_pid if self.link_from_host else None)
         return KeeperHandle(channel, paths, rec.container_id, rec.run_dir)
 
     async def kill(self, container_id: str, run_dir: str) -> None:

@@ -102,7 +102,8 @@ class Supervisor:
         self.manager = manager
         self.gateway_url = gateway_url
         self.owner = uuid.uuid4().hex
-        self.keepers = Keepers(store, manager, buffer_bytes=settings.keeper_buffer_bytes)
+        self.keepers = Keepers(store, manager, buffer_bytes=settings.keeper_buffer_bytes,
+                               link_from_host=settings.keeper_link == "host")
         self.pool = ResidentPool(forget=self.keepers.forget)
         self.hooks = hooks or TestHooks()
         self.metrics = Metrics()  # the daemon's one registry: every metric below joins it

@@ -12,12 +12,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import anyio
 import pytest
+from pydantic import ValidationError
 
+from runner.config import load_settings
+from runner.keepers import Keepers
 from sandbox_manager import keeper_sandbox
-from sandbox_manager.keeper_errors import KeeperIdentityMismatch
+from sandbox_manager.engine import NotFound
+from sandbox_manager.keeper_errors import KeeperIdentityMismatch, KeeperUnavailable
 from sandbox_manager.keeper_identity import KeeperIdentity
 from sandbox_manager.keeper_link import (
     NoDirectLink,
@@ -26,6 +31,7 @@ from sandbox_manager.keeper_link import (
     link_direct,
 )
 from sandbox_manager.keeper_sandbox import KeeperPaths, retire_argv
+from state.keepers import KeeperRecord
 from tests.support.keeper_local import fake_cli_argv, reap, start_local
 
 pytestmark = pytest.mark.anyio
@@ -180,6 +186,33 @@ async def test_a_start_whose_link_fails_closes_its_exec(paths, tmp_path) -> None
         for client in (mine_client, theirs_client):
             await reap(client)
         subprocess.run(retire_argv(other, grace_s=1.0), check=False, timeout=30)
+
+
+class GoneEngine:
+    """An engine whose exec finds no sandbox: an attach that reaches it fails."""
+
+    async def exec_attached(self, *args, **kwargs):
+        raise NotFound("no such container")
+
+
+async def test_keeper_link_exec_keeps_every_attach_on_the_exec(paths) -> None:
+    """CLOUD_AGENT_KEEPER_LINK=exec: the daemon's keepers never link from the host."""
+    assert load_settings({}).keeper_link == "host"
+    assert load_settings({"CLOUD_AGENT_KEEPER_LINK": "exec"}).keeper_link == "exec"
+    with pytest.raises(ValidationError, match="keeper_link"):
+        load_settings({"CLOUD_AGENT_KEEPER_LINK": "both"})
+    channel, client = await start_local(paths, fake_cli_argv())
+    rec = KeeperRecord(user_id="u", chat_id="c", member_id="m1", host_id="h", runtime="codex", container_id="c1",
+                       run_dir=str(Path(paths.socket).parent), identity=channel.identity.model_dump(), session={},
+                       acked=0, turn=None)
+    await channel.detach()
+    await reap(client)
+    manager = SimpleNamespace(engine=GoneEngine())
+    with pytest.raises(KeeperUnavailable, match="is gone"):
+        await Keepers(None, manager, buffer_bytes=1 << 20, link_from_host=False).attach(rec, os.getpid())
+    linked = await Keepers(None, manager, buffer_bytes=1 << 20).attach(rec, os.getpid())
+    assert isinstance(linked.channel.stream, SocketBytes)
+    await linked.channel.shutdown()
 
 
 # -- the pid namespace check, with a process unshare puts in a namespace of its own ----------------

@@ -20,11 +20,11 @@ from runner.processes import member_paths
 from runner.residents import Resident
 from runner.transport import exec_transport
 from sandbox_manager.keeper_errors import KeeperError, KeeperIdentityMismatch
+from state.contract import StoreContract
 from state.jobs import Job
 from state.keepers import KeeperRecord
 from state.receipts import Outcome, Receipt, SandboxInfo, Timings
 from state.records import JobRecord, SandboxState
-from state.contract import StoreContract
 
 log = structlog.get_logger("readopt")
 
@@ -88,7 +88,7 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
         return "snapshot_stale"
     try:  # the sandbox's init seen from the host: the link to the keeper, the memory budget's readings
         info = await manager.engine.inspect(rec.container_id)
-        init_pid = info.attrs.get("State", {}).get("Pid") or None
+        init_pid = info.init_pid
     except Exception:  # noqa: BLE001 - the attach goes through an exec and readings fall back without it
         init_pid = None
     try:

@@ -55,6 +55,11 @@ class ContainerInfo:
         """When the engine last started it (``State.StartedAt``), ns since the epoch; None unknown."""
         return rfc3339_ns(str(self.attrs.get("State", {}).get("StartedAt") or ""))
 
+    @property
+    def init_pid(self) -> int | None:
+        """Its init as a host pid (``State.Pid``); None when not known or not running (0)."""
+        return self.attrs.get("State", {}).get("Pid") or None
+
 
 @dataclass(frozen=True)
 class ImageInfo:

@@ -35,7 +35,7 @@ class Sandbox:
     @property
     def init_pid(self) -> int | None:
         """The container's init as a host pid (the engine's ``State.Pid``), None when not known."""
-        return self.container.attrs.get("State", {}).get("Pid") or None
+        return self.container.init_pid
 
     @property
     def volume(self) -> str | None:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -145,47 +146,45 @@ async def test_reattach_needs_no_exec(paths) -> None:
     await again.shutdown()
 
 
-async def test_a_symlink_to_another_keeper_is_refused_by_its_identity(paths, tmp_path) -> None:
+@asynccontextmanager
+async def symlinked_to_another_keeper(paths: KeeperPaths, tmp_path: Path):
+    """Two local keepers (members m1 and m2), the first one's socket path a symlink to the
+    second's socket. Yields both starts' channels and clients and the second's paths."""
     other = KeeperPaths.in_run_dir(str(tmp_path / "other"))
     mine, mine_client = await start_local(paths, fake_cli_argv(), member="m1")
     theirs, theirs_client = await start_local(other, fake_cli_argv(), member="m2")
     try:
         os.unlink(paths.socket)
         os.symlink(other.socket, paths.socket)
+        yield SimpleNamespace(mine=mine, mine_client=mine_client, theirs=theirs, other=other)
+    finally:
+        for ch, client in ((mine, mine_client), (theirs, theirs_client)):
+            await ch.detach()  # a second close of a closed start is nothing
+            await reap(client)
+        subprocess.run(retire_argv(other, grace_s=1.0), check=False, timeout=30)
+
+
+async def test_a_symlink_to_another_keeper_is_refused_by_its_identity(paths, tmp_path) -> None:
+    async with symlinked_to_another_keeper(paths, tmp_path) as two:
         with pytest.raises(KeeperIdentityMismatch):
-            await link_direct(os.getpid(), paths.socket, expect=mine.identity, from_offset=0)
+            await link_direct(os.getpid(), paths.socket, expect=two.mine.identity, from_offset=0)
         # As an exec's attach through the same path would, the attach superseded the other
         # keeper's client (one sandbox's own members only: the pid namespace check keeps other
         # sandboxes out); nothing of it was read, and its own attach finds all of its output.
-        again = await link_direct(os.getpid(), other.socket, expect=theirs.identity, from_offset=0)
+        again = await link_direct(os.getpid(), two.other.socket, expect=two.theirs.identity, from_offset=0)
         assert again is not None
         assert json.loads(await again.receive())["ready"] > 0
         await again.send(ECHO)
         assert await again.receive() == ECHO
         await again.detach()
-    finally:
-        for ch, client in ((mine, mine_client), (theirs, theirs_client)):
-            await ch.detach()
-            await reap(client)
-        subprocess.run(retire_argv(other, grace_s=1.0), check=False, timeout=30)
 
 
 async def test_a_start_whose_link_fails_closes_its_exec(paths, tmp_path) -> None:
-    other = KeeperPaths.in_run_dir(str(tmp_path / "other"))
-    mine, mine_client = await start_local(paths, fake_cli_argv(), member="m1")
-    theirs, theirs_client = await start_local(other, fake_cli_argv(), member="m2")
-    try:
-        os.unlink(paths.socket)
-        os.symlink(other.socket, paths.socket)
+    async with symlinked_to_another_keeper(paths, tmp_path) as two:
         with pytest.raises(KeeperIdentityMismatch):
-            await keeper_sandbox.go_direct(mine, os.getpid(), paths)
+            await keeper_sandbox.go_direct(two.mine, os.getpid(), paths)
         with anyio.fail_after(10):
-            await mine_client.wait()  # the start's client (its exec, in a sandbox) was closed, not left open
-    finally:
-        await theirs.detach()
-        for client in (mine_client, theirs_client):
-            await reap(client)
-        subprocess.run(retire_argv(other, grace_s=1.0), check=False, timeout=30)
+            await two.mine_client.wait()  # the start's client (its exec, in a sandbox) was closed, not left open
 
 
 class GoneEngine:

@@ -109,7 +109,7 @@ class KeeperChannel:
         of its output is read or acknowledged.
         """
         try:
-            request = wire.attach_frame(from_offset)
+            request = wire.attach_frame(from_offset, expect.model_dump() if expect is not None else None)
             try:
                 await stream.send_bytes(request)
             except ExecStreamClosed as exc:

@@ -20,7 +20,7 @@ OFFSET = struct.Struct(">Q")
 MAX_PAYLOAD = 16 * 1024 * 1024
 
 # daemon -> keeper
-ATTACH = b"A"  # {"protocol": 1, "from": N}: the first frame of a connection
+ATTACH = b"A"  # {"protocol": 1, "from": N[, "expect": identity]}: the first frame of a connection
 STATUS = b"P"  # instead of ATTACH: hello + stderr, then close; the attached client is untouched
 INPUT = b"I"  # bytes for the CLI's stdin
 ACK = b"K"  # 8-byte offset: the keeper may release output before it
@@ -82,8 +82,15 @@ def encode_data(offset: int, data: bytes) -> bytes:
     return encode(DATA, OFFSET.pack(offset) + data)
 
 
-def attach_frame(from_offset: int) -> bytes:
-    return encode_json(ATTACH, {"protocol": PROTOCOL, "from": from_offset})
+def attach_frame(from_offset: int, expect: dict[str, Any] | None = None) -> bytes:
+    """``expect``: the identity the attach is for (keeper_id, pid, start_time, member, tags). A
+    keeper that is not it refuses (``identity_mismatch``) before it supersedes its client: a
+    wrong attach — a path that leads to another member's keeper — takes nothing from that
+    member. A keeper from before this field ignores it; the hello's check still refuses."""
+    request: dict[str, Any] = {"protocol": PROTOCOL, "from": from_offset}
+    if expect is not None:
+        request["expect"] = expect
+    return encode_json(ATTACH, request)
 
 
 class FrameDecoder:

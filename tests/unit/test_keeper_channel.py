@@ -104,7 +104,9 @@ async def test_any_split_of_frames_yields_exact_lines_and_offsets(lines, start, 
     assert await ch.wait_exit() is not None
     assert ch.exit is not None and ch.exit.code == 0 and not ch.alive
     assert ch.diagnostics() == "warn\n"
-    assert stream.frames() == [(b"A", json.dumps({"protocol": 1, "from": start}, separators=(",", ":")).encode())]
+    # the attach names the keeper it is for: another one refuses it without superseding its client
+    assert stream.frames() == [(b"A", json.dumps({"protocol": 1, "from": start, "expect": IDENT.model_dump()},
+                                                separators=(",", ":")).encode())]
 
 
 async def test_partial_last_line_at_eof_counts_in_the_offset() -> None:
@@ -137,7 +139,8 @@ async def test_send_close_ack_are_frames_and_input_is_counted() -> None:
 async def test_reattach_past_the_keepers_ack_acknowledges_what_the_store_committed() -> None:
     stream = FakeBytes([hello(acked=10, written=30)])
     ch = await KeeperChannel.open(stream, from_offset=20, expect=IDENT)  # type: ignore[arg-type]
-    assert stream.frames() == [(b"A", b'{"protocol":1,"from":20}'), (b"K", (20).to_bytes(8, "big"))]
+    attach = json.dumps({"protocol": 1, "from": 20, "expect": IDENT.model_dump()}, separators=(",", ":")).encode()
+    assert stream.frames() == [(b"A", attach), (b"K", (20).to_bytes(8, "big"))]
     assert ch.offset == ch.acked == 20
 
 

@@ -168,15 +168,11 @@ async def test_a_symlink_to_another_keeper_is_refused_by_its_identity(paths, tmp
     async with symlinked_to_another_keeper(paths, tmp_path) as two:
         with pytest.raises(KeeperIdentityMismatch):
             await link_direct(os.getpid(), paths.socket, expect=two.mine.identity, from_offset=0)
-        # As an exec's attach through the same path would, the attach superseded the other
-        # keeper's client (one sandbox's own members only: the pid namespace check keeps other
-        # sandboxes out); nothing of it was read, and its own attach finds all of its output.
-        again = await link_direct(os.getpid(), two.other.socket, expect=two.theirs.identity, from_offset=0)
-        assert again is not None
-        assert json.loads(await again.receive())["ready"] > 0
-        await again.send(ECHO)
-        assert await again.receive() == ECHO
-        await again.detach()
+        # The other keeper refused the attach itself (it names another identity): its own
+        # client keeps its attach, nothing of its output read by the wrong one.
+        assert json.loads(await two.theirs.receive())["ready"] > 0
+        await two.theirs.send(ECHO)
+        assert await two.theirs.receive() == ECHO
 
 
 async def test_a_start_whose_link_fails_closes_its_exec(paths, tmp_path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from sandbox_manager import keeper_wire as wire
 from sandbox_manager.keeper_errors import (
     KeeperBroken,
     KeeperDetached,
@@ -159,6 +161,41 @@ async def test_another_identity_is_refused_and_the_keeper_is_untouched(paths) ->
         assert status(paths)["hello"]["acked"] == 0  # nothing was acknowledged to it
         ch, client = await attach_local(paths, from_offset=0, expect=real)
         assert await ch.receive() == b'{"ready":%d}' % real.pid  # still all there, from 0
+        await ch.detach()
+        await reap(client)
+
+
+async def test_an_attach_for_another_keeper_leaves_the_attached_client_alone(paths) -> None:
+    """The keeper itself refuses an attach that names another identity, before it would
+    supersede its client: a path that leads a member's attach to another member's keeper takes
+    nothing from that member's turn."""
+    with anyio.fail_after(30):
+        ch, client = await start_local(paths, fake_cli_argv(), member="m2")
+        real = ch.identity
+        forged = real.model_copy(update={"keeper_id": "0" * 32, "member": "m1"})
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(20)
+            sock.connect(paths.socket)
+            sock.sendall(wire.attach_frame(0, forged.model_dump()))
+            decoder, frames = wire.FrameDecoder(), []
+            while chunk := sock.recv(65536):  # until the keeper closes the connection
+                frames += decoder.feed(chunk)
+        finally:
+            sock.close()
+        assert [f.kind for f in frames] == [wire.HELLO]  # the hello that refuses, and nothing else
+        hello = json.loads(frames[0].payload)
+        assert hello["accepted"] is False
+        assert hello["refused"] == "identity_mismatch"
+        assert hello["keeper_id"] == real.keeper_id
+        with pytest.raises(KeeperIdentityMismatch) as err:  # through the channel: the hello's check names it
+            await attach_local(paths, from_offset=0, expect=forged)
+        assert err.value.field == "keeper_id"
+        # the start's attach is still the keeper's client: the CLI's output and its echo reach it
+        assert await ch.receive() == b'{"ready":%d}' % real.pid
+        await ch.send(b'{"op":"echo","payload":"still mine"}')
+        assert await ch.receive() == b'{"op":"echo","payload":"still mine"}'
+        assert status(paths)["hello"]["acked"] == 0
         await ch.detach()
         await reap(client)
 

@@ -24,6 +24,8 @@ import httpx
 import structlog
 import uvicorn
 
+from runner import event_loop
+
 log = structlog.get_logger("demo")
 
 STEPS = [
@@ -173,4 +175,4 @@ def _print_table(rows: list[dict[str, Any]], json_output: bool) -> None:
 
 
 def main(runtimes: list[str], *, json_output: bool = False) -> int:
-    return anyio.run(lambda: run_demo(runtimes, json_output=json_output))
+    return event_loop.run(lambda: run_demo(runtimes, json_output=json_output))

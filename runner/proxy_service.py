@@ -23,6 +23,7 @@ import anyio
 import structlog
 from prometheus_client import CollectorRegistry
 
+from runner import event_loop
 from runner.model_proxy import ModelProxy
 from runner.proxy_control import ControlServer
 from runner.proxy_protocol import ServiceConfig, ServicePaths, build_id
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.pid.write_text(f"{os.getpid()}\n")
         log.info("proxy_service.started", pid=os.getpid(), home=str(config.home))
-        reason = anyio.run(partial(run_service, config, log_fds=() if args.foreground else (1, 2)))
+        reason = event_loop.run(partial(run_service, config, log_fds=() if args.foreground else (1, 2)))
         log.info("proxy_service.stopped", reason=reason)
         return 0
     except Exception:

@@ -12,6 +12,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
+from runner import event_loop
 from runner.breaker import CircuitBreaker
 from runner.config import Settings
 from runner.control_plane import HeartbeatPublisher
@@ -136,5 +137,6 @@ def serve(settings: Settings) -> None:
     # httptools (llhttp, in C) rather than h11: a turn's request and its NDJSON event lines cost
     # less on the event loop the turns share (issue 16)
     config = uvicorn.Config(daemon.app, host=settings.listen_host, port=settings.listen_port, log_config=None,
-                            access_log=False, lifespan="on", timeout_graceful_shutdown=10, http="httptools")
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=10, http="httptools",
+                            loop=event_loop.UVICORN_LOOP)
     uvicorn.Server(config).run()

@@ -41,8 +41,10 @@ def sqlite_store(tmp_path):
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend() -> tuple[str, dict]:
+    from runner import event_loop
+
+    return event_loop.BACKEND, event_loop.BACKEND_OPTIONS  # the loop the daemon and the proxy service run on
 
 
 @pytest.fixture(scope="session", autouse=True)

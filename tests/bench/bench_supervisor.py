@@ -51,6 +51,7 @@ from deploy.loopback import LoopbackFixture
 from drivers.models import Locator
 from drivers.transport import Transport, TransportWrapper
 from images.build import ensure_image
+from runner import event_loop
 from runner.loopback_child import loopback_child
 from runner.processes import member_paths, start_in_sandbox
 from runner.transport import exec_transport
@@ -657,8 +658,9 @@ if __name__ == "__main__":
     ap.add_argument("--create-samples", type=int, default=None,
                     help="new sandboxes per arm for the create+start ratio (default N/4, at least 3): its "
                          "engine start moves by +-10 ms from one to the next, so a few samples move the ratio by 5%%")
-    ap.add_argument("--uvloop", action="store_true", help="run the daemon on uvloop (as `cloud-agent serve` does "
-                    "when uvloop is installed: uvicorn's loop=auto)")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="the loop this process (the daemon and the bare arm's drivers) runs on: uvloop, as "
+                         "`cloud-agent serve` runs (runner.event_loop), or asyncio's own, as before")
     ap.add_argument("--keeper-arm", action="store_true",
                     help="a third LIVE arm: the bare session under a keeper, as the daemon runs its CLIs (its "
                          "difference from the bare exec is the keeper hop's share of a turn)")
@@ -681,4 +683,4 @@ if __name__ == "__main__":
                     help="the API client in a process of its own (as a host's clients are; httpx, or with `lean` "
                          "the leanest HTTP/1.1 client, see api_client.py) or on the daemon's loop")
     args = ap.parse_args()
-    anyio.run(main, args, backend_options={"use_uvloop": True} if args.uvloop else {})
+    anyio.run(main, args, backend_options=event_loop.BACKEND_OPTIONS if args.loop == "uvloop" else {})

@@ -13,15 +13,21 @@ import anyio
 import pytest
 
 from deploy.loopback import LoopbackFixture
+from runner import event_loop
 from tests.daemon_harness import daemon_settings, running_daemon
-from tests.supervisor_helpers import Chat, assert_model_saw, high_water, runtimes_one_per_bridge
+from tests.supervisor_helpers import (
+    Chat,
+    assert_model_saw,
+    high_water,
+    runtimes_one_per_bridge,
+)
 
 pytestmark = [pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend() -> tuple[str, dict]:
+    return event_loop.BACKEND, event_loop.BACKEND_OPTIONS  # the product's loop
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture
 from drivers.transport import Transport
+from runner import event_loop
 from runner.config import Settings
 from runner.turn import TestHooks
 from sandbox_manager.identity import LABEL_HOST
@@ -44,8 +45,8 @@ from tests.support.workers import in_worker, leave_report
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend() -> tuple[str, dict]:
+    return event_loop.BACKEND, event_loop.BACKEND_OPTIONS  # the product's loop
 
 
 @pytest.fixture(scope="module")

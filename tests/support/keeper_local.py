@@ -72,8 +72,16 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+# As ``docker exec`` starts a keeper's client in a sandbox: with its three stdio only. uvloop's
+# spawn (the product's loop, runner.event_loop) leaves descriptors of its own open in a child
+# (its stdio's duplicates, /dev/null, a pipe), and a keeper hands its CLI whatever it inherited
+# that is not close-on-exec.
+ONLY_STDIO = (sys.executable, "-I", "-S", "-c",
+              "import os, sys; os.closerange(3, os.sysconf('SC_OPEN_MAX')); os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 async def open_client(argv: list[str], env: dict[str, str] | None = None) -> Process:
-    return await anyio.open_process(argv, stdin=-1, stdout=-1, stderr=-1, env=env)
+    return await anyio.open_process([*ONLY_STDIO, *argv], stdin=-1, stdout=-1, stderr=-1, env=env)
 
 
 async def start_local(paths: KeeperPaths, cli: list[str], *, member: str = "m1", tags: dict[str, str] | None = None,

@@ -2,6 +2,7 @@
 
     uv run python tests/bench/bench_supervisor.py [N] [--runtimes claude,codex,pi,opencode,kilo]
                                                   [--chats 16] [--rounds 3] [--restored 3] [--keeper-arm]
+                                                  [--loop uvloop|asyncio] [--quiet-s S]
 
 One in-process daemon (uvicorn in this process), its API client in a process of its own
 (tests/bench/api_client.py, as a host's clients are; ``--client lean`` swaps httpx for the
@@ -126,6 +127,25 @@ def cpu_by_process() -> dict[str, float]:
 FORKS = "processes started"  # a count, not CPU seconds: reported per turn as it is
 
 
+def _cpu_busy_idle() -> tuple[int, int]:
+    cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(cpu) - cpu[3] - cpu[4], cpu[3] + cpu[4]
+
+
+async def quiet_host(max_s: float, busy_below: float = 0.10, window_s: float = 0.05) -> None:
+    """Wait (at most ``max_s``) until the host's CPUs were under ``busy_below`` busy for a
+    ``window_s`` window. OpenCode and Kilo go on working for a while after a turn, and both
+    arms' CLIs share one container: without this their after-turn work lands on the other
+    arm's next turn (``--quiet-s``)."""
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        b0, i0 = _cpu_busy_idle()
+        await anyio.sleep(window_s)
+        b1, i1 = _cpu_busy_idle()
+        if (b1 - b0) < busy_below * max(1, (b1 - b0) + (i1 - i0)):
+            return
+
+
 def cpu_per_turn(before: dict[str, float], after: dict[str, float], turns: int) -> dict[str, float]:
     """CPU ms per turn by process label (labels that used at least 0.5 ms per turn); processes
     that ended meanwhile are not counted, ``all`` counts everything."""
@@ -248,7 +268,7 @@ def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
 
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
                         traces: dict[str, Any], keeper_arm: bool = False, restored: int = 3,
-                        warm_turns: int = 1) -> dict[str, Any]:
+                        warm_turns: int = 1, quiet_s: float = 0.0) -> dict[str, Any]:
     sup = d.daemon.supervisor
     user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
 
@@ -281,6 +301,8 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
                 cpu_live[arm][k] = cpu_live[arm].get(k, 0.0) + (v - before.get(k, 0.0)) * 1000 / n
 
     for i in range(n):
+        if quiet_s:
+            await quiet_host(quiet_s)
         cpu0 = cpu_by_process()
         ms, r, first, t0 = await timed_job(d, job(f"live {i}"))
         count_cpu("d", cpu0)
@@ -294,6 +316,8 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
                 if line is not None:
                     first_ev.append((first - line) / 1e6)
             phase_rows.append(phase_row(trace, t0, ms))
+        if quiet_s:
+            await quiet_host(quiet_s)
         cpu0 = cpu_by_process()
         t = time.perf_counter_ns()
         await bare.turn(f"bare live {i}")
@@ -548,7 +572,7 @@ async def main(args: argparse.Namespace) -> None:
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
                                                            traces, keeper_arm=args.keeper_arm, restored=args.restored,
-                                                           warm_turns=args.warm_turns)
+                                                           warm_turns=args.warm_turns, quiet_s=args.quiet_s)
                     # printed as each CLI finishes: a run cut short still leaves its figures
                     print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
                     print_phases({runtime: results[runtime]})
@@ -668,6 +692,11 @@ if __name__ == "__main__":
                     help="CLOUD_AGENT_PROXY_PROCESS=daemon: the model proxy on the daemon's loop and store connection "
                          "instead of the service process production runs (which writes the wire ledger into the "
                          "same SQLite file from another process)")
+    ap.add_argument("--quiet-s", type=float, default=0.0,
+                    help="before each LIVE turn of either arm, wait up to this long for the host's CPUs to be "
+                         "under 10%% busy (50 ms windows): OpenCode's and Kilo's after-turn work otherwise lands "
+                         "on the other arm's next turn, both arms' CLIs sharing one container. The LIVE arms' CPU "
+                         "per turn then leaves that after-turn work out")
     ap.add_argument("--warm-turns", type=int, default=1,
                     help="turns each throughput chat takes, in both arms, before the measured rounds: the CLIs' "
                          "own warm-up (JIT) dominates a chat's first turns (pi: 23 ms of CPU a turn there, 4-6 "

@@ -94,6 +94,12 @@ def _label(pid: str) -> str:
     return name
 
 
+def _cpu_busy_idle() -> tuple[int, int]:
+    """The host's CPU ticks so far: busy, and idle with iowait."""
+    cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(cpu) - cpu[3] - cpu[4], cpu[3] + cpu[4]
+
+
 def cpu_by_process() -> dict[str, float]:
     """CPU seconds used so far by every live process, summed by :func:`_label`, and ``all``
     (the machine's busy time, /proc/stat)."""
@@ -117,19 +123,13 @@ def cpu_by_process() -> dict[str, float]:
             continue
         key = "  its loop thread" if tid == str(os.getpid()) else "  its other threads"
         out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    out["all"] = (sum(int(x) for x in cpu) - int(cpu[3]) - int(cpu[4])) / tick  # less idle and iowait
+    out["all"] = _cpu_busy_idle()[0] / tick
     forks = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("processes "))
     out[FORKS] = float(forks.split()[1])
     return out
 
 
 FORKS = "processes started"  # a count, not CPU seconds: reported per turn as it is
-
-
-def _cpu_busy_idle() -> tuple[int, int]:
-    cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return sum(cpu) - cpu[3] - cpu[4], cpu[3] + cpu[4]
 
 
 async def quiet_host(max_s: float, busy_below: float = 0.10, window_s: float = 0.05) -> None:

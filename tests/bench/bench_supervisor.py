@@ -2,7 +2,7 @@
 
     uv run python tests/bench/bench_supervisor.py [N] [--runtimes claude,codex,pi,opencode,kilo]
                                                   [--chats 16] [--rounds 3] [--restored 3] [--keeper-arm]
-                                                  [--loop uvloop|asyncio] [--quiet-s S]
+                                                  [--loop uvloop|asyncio] [--quiet-s S] [--instances K]
 
 One in-process daemon (uvicorn in this process), its API client in a process of its own
 (tests/bench/api_client.py, as a host's clients are; ``--client lean`` swaps httpx for the
@@ -34,6 +34,7 @@ import argparse
 import cProfile
 import inspect
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -268,7 +269,7 @@ def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
 
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
                         traces: dict[str, Any], keeper_arm: bool = False, restored: int = 3,
-                        warm_turns: int = 1, quiet_s: float = 0.0) -> dict[str, Any]:
+                        warm_turns: int = 1, quiet_s: float = 0.0, instances: int = 1) -> dict[str, Any]:
     sup = d.daemon.supervisor
     user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
 
@@ -277,20 +278,28 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
                 "runtime": runtime, "message": msg}
 
     out: dict[str, Any] = {"load": {}}
-    _, r, _, _ = await timed_job(d, job("warm up"))
-    assert r and r["outcome"] == "succeeded", r
-    _, r, _, _ = await timed_job(d, job("warm up live"))
-    assert r and r["context_status"] == "LIVE", r
+    # `instances` CLI processes per arm, taken in turn: one OpenCode or Kilo process does ~10 ms
+    # more or less of its own work a turn than another in the same container, so with one per
+    # arm that difference lands in "added"; spread over several, it averages out
+    members = [f"m{k + 1}" for k in range(instances)]
+    for m in members:
+        _, r, _, _ = await timed_job(d, job("warm up", m=m))
+        assert r and r["outcome"] == "succeeded", r
+        _, r, _, _ = await timed_job(d, job("warm up live", m=m))
+        assert r and r["context_status"] == "LIVE", r
     sb = await sup.manager.resolve(user, chat)
-    bare = Bare(sup, user, chat, runtime)
-    await bare.start(sb)
-    await bare.turn("bare warm up")
-    await bare.turn("bare warm up live")
-    kbare = Bare(sup, user, chat, runtime, member="bare-keeper", via="keeper") if keeper_arm else None
-    if kbare is not None:
-        await kbare.start(sb)
-        await kbare.turn("keeper warm up")
-        await kbare.turn("keeper warm up live")
+    bares_live: list[Bare] = []
+    kbares: list[Bare] = []
+    for k in range(instances):
+        tag = "" if instances == 1 else str(k + 1)
+        bares_live.append(Bare(sup, user, chat, runtime, member=f"bare{tag}"))
+        if keeper_arm:
+            kbares.append(Bare(sup, user, chat, runtime, member=f"bare-keeper{tag}", via="keeper"))
+    for b in bares_live + kbares:
+        await b.start(sb)
+        await b.turn("bare warm up")
+        await b.turn("bare warm up live")
+    bare = bares_live[0]  # RESTORED's bare arm
     # ---- LIVE, alternating daemon / bare so machine noise hits both alike
     live_d, live_b, live_k, first_ev, phase_rows = [], [], [], [], []
     cpu_live: dict[str, dict[str, float]] = {"d": {}, "b": {}, "k": {}}  # CPU per arm, one turn at a time
@@ -304,7 +313,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         if quiet_s:
             await quiet_host(quiet_s)
         cpu0 = cpu_by_process()
-        ms, r, first, t0 = await timed_job(d, job(f"live {i}"))
+        ms, r, first, t0 = await timed_job(d, job(f"live {i}", m=members[i % instances]))
         count_cpu("d", cpu0)
         assert r and r["context_status"] == "LIVE" and r["outcome"] == "succeeded", r
         live_d.append(ms)
@@ -320,18 +329,26 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
             await quiet_host(quiet_s)
         cpu0 = cpu_by_process()
         t = time.perf_counter_ns()
-        await bare.turn(f"bare live {i}")
+        await bares_live[i % instances].turn(f"bare live {i}")
         live_b.append((time.perf_counter_ns() - t) / 1e6)
         count_cpu("b", cpu0)
-        if kbare is not None:
+        if kbares:
+            if quiet_s:
+                await quiet_host(quiet_s)
             cpu0 = cpu_by_process()
             t = time.perf_counter_ns()
-            await kbare.turn(f"keeper live {i}")
+            await kbares[i % instances].turn(f"keeper live {i}")
             live_k.append((time.perf_counter_ns() - t) / 1e6)
             count_cpu("k", cpu0)
     out["load"]["live"] = load()
-    if kbare is not None:
-        await kbare.close()
+    if instances > 1:  # each instance's own medians: how far one CLI process differs from another
+        for k in range(instances):
+            dk, bk = live_d[k::instances], live_b[k::instances]
+            print(f"{runtime}: instance {k + 1}: daemon {statistics.median(dk):.1f} ms, bare "
+                  f"{statistics.median(bk):.1f} ms over {len(dk)} turns each", flush=True)
+    for b in bares_live[1:] + kbares:
+        await b.close()
+    if kbares:
         k, b, dd = statistics.median(live_k), statistics.median(live_b), statistics.median(live_d)
         print(f"{runtime}: LIVE p50 daemon {dd:.1f} ms, bare under a keeper {k:.1f} ms, bare exec {b:.1f} ms: "
               f"the keeper hop {k - b:+.1f} ms, the rest of the supervisor {dd - k:+.1f} ms", flush=True)
@@ -572,7 +589,8 @@ async def main(args: argparse.Namespace) -> None:
                 for runtime in args.runtimes.split(","):
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
                                                            traces, keeper_arm=args.keeper_arm, restored=args.restored,
-                                                           warm_turns=args.warm_turns, quiet_s=args.quiet_s)
+                                                           warm_turns=args.warm_turns, quiet_s=args.quiet_s,
+                                                           instances=args.instances)
                     # printed as each CLI finishes: a run cut short still leaves its figures
                     print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
                     print_phases({runtime: results[runtime]})
@@ -613,9 +631,28 @@ def row(runtime: str, r: dict[str, Any]) -> str:
             f"{statistics.median(r['rest_d']) / statistics.median(r['rest_b']):6.3f} {first} "
             f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b'] if r['tp_b'] else float('nan'):8.3f} {len(r['failures']):4}  "
             f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
+    lo, hi = added_interval(r["live_d"], r["live_b"])
+    line += f"\n  {runtime}: LIVE added p50, 95% interval [{lo:.1f}, {hi:.1f}] ms over {len(r['live_d'])} turn pairs"
     if r["failures"]:
         line += f"\n  failures: {r['failures']}"
     return line
+
+
+def added_interval(live_d: list[float], live_b: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A bootstrap 95% interval of median(daemon) - median(bare): the turn pairs resampled
+    together (each pair ran back to back, so the machine's moment is shared). One run's p50 of
+    OpenCode or Kilo moves by more than the 5 ms goal; the interval says how far it can."""
+    rng = random.Random(16)  # the same run prints the same interval
+    n = len(live_d)
+    diffs = []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        diffs.append(statistics.median(live_d[i] for i in idx) - statistics.median(live_b[i] for i in idx))
+    return pct(diffs, 2.5), pct(diffs, 97.5)
+
+
+# the spans of a LIVE turn that hold the driver's and the CLI's own work, which the bare arm has too
+CLI_SPANS = ("input_sent", "first_event", "settled")
 
 
 def print_phases(results: dict[str, dict[str, Any]]) -> None:
@@ -638,6 +675,11 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
     for name in phases:
         print(f"{name:22}" + "".join(cell(r["phases"], name, 50, 10) + cell(r.get("tp_phases", []), name, 50, 11)
                                      + cell(r.get("tp_phases", []), name, 90, 8) for r in results.values()))
+    for rt, r in results.items():
+        if r["phases"]:
+            own = [sum(ms for k, ms in trace_row if not k.startswith(CLI_SPANS)) for trace_row in r["phases"]]
+            print(f"{rt}: the supervisor's own phases of a LIVE turn (all but {', '.join(CLI_SPANS)}), summed "
+                  f"per turn: p50 {statistics.median(own):.2f} ms, p90 {pct(own, 90):.2f} ms")
     if any(r.get("rest_phases") for r in results.values()):
         # where a RESTORED turn's time goes (its bare arm: engine start, gate, exec, resume, turn)
         print("\nRESTORED turn per-phase breakdown after a stop (median ms since the previous mark)")
@@ -697,6 +739,10 @@ if __name__ == "__main__":
                          "under 10%% busy (50 ms windows): OpenCode's and Kilo's after-turn work otherwise lands "
                          "on the other arm's next turn, both arms' CLIs sharing one container. The LIVE arms' CPU "
                          "per turn then leaves that after-turn work out")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="CLI processes per LIVE arm (daemon members m1..mK, bare sessions bare1..bareK in the "
+                         "same container), taken in turn: two OpenCode or Kilo processes differ by ~10 ms of "
+                         "their own work a turn, which one process per arm counts as the supervisor's")
     ap.add_argument("--warm-turns", type=int, default=1,
                     help="turns each throughput chat takes, in both arms, before the measured rounds: the CLIs' "
                          "own warm-up (JIT) dominates a chat's first turns (pi: 23 ms of CPU a turn there, 4-6 "

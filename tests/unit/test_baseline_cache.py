@@ -44,3 +44,33 @@ def test_the_least_recently_used_member_goes_first() -> None:
     assert cache.parsed(M1, kept[M1].model_dump_json()) is kept[M1]
     assert cache.parsed(M3, kept[M3].model_dump_json()) is kept[M3]
     assert cache.parsed(M2, kept[M2].model_dump_json()) is not kept[M2]
+
+
+def test_the_texts_bytes_are_bounded_too() -> None:
+    kept = {m: baseline(m[2]) for m in (M1, M2, M3)}
+    texts = {m: b.model_dump_json() for m, b in kept.items()}
+    assert len({len(t) for t in texts.values()}) == 1  # the same size each
+    size = len(texts[M1])
+    cache = BaselineCache(max_bytes=2 * size)
+    for m in (M1, M2, M3):
+        cache.keep(m, texts[m], kept[m])
+    assert cache.members() == [M2, M3] and cache.kept_bytes == 2 * size  # M1, the oldest, went
+    cache.keep(M2, texts[M2], kept[M2])  # kept again: counted once
+    assert cache.members() == [M3, M2] and cache.kept_bytes == 2 * size
+    big = baseline(*(f"turn {i}" for i in range(6)))  # a longer history: a longer text
+    assert len(big.model_dump_json()) > 2 * size
+    cache.keep(M1, big.model_dump_json(), big)  # over the bound alone: not kept, nothing evicted
+    assert cache.members() == [M3, M2] and cache.kept_bytes == 2 * size
+    assert cache.parsed(M1, big.model_dump_json()) == big
+
+
+def test_a_deleted_chat_s_members_go_and_no_one_else_s() -> None:
+    cache = BaselineCache()
+    others = [("u", "c2", "m1"), ("u2", "c", "m1")]  # another chat of the user; the same chat id of another user
+    for m in (M1, M2, *others):
+        b = baseline(m[2])
+        cache.keep(m, b.model_dump_json(), b)
+    assert cache.forget_chat("u", "c") == 2
+    assert cache.members() == others
+    assert cache.kept_bytes == sum(len(baseline(m[2]).model_dump_json()) for m in others)
+    assert cache.forget_chat("u", "c") == 0

@@ -65,7 +65,7 @@ class SQLiteChatDeletion:
         try:
             return await self._run(lambda db: self._tx(db, q))
         finally:
-            self.sandbox_writes.wrote(user_id, chat_id)
+            self.sandbox_writes.deleted(user_id, chat_id)
 
 
 class PostgresChatDeletion:
@@ -98,4 +98,4 @@ class PostgresChatDeletion:
         try:
             return await self._tx(q)
         finally:
-            self.sandbox_writes.wrote(user_id, chat_id)
+            self.sandbox_writes.deleted(user_id, chat_id)

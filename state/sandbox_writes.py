@@ -52,6 +52,16 @@ class SandboxWrites:
         self._count += 1
         self._all = self._count
 
+    def deleted(self, user_id: str, chat_id: str) -> None:
+        """The chat's records were deleted: its count goes (a host deleting chats all day would
+        keep one per chat ever seen), and every read so far is stale, the chat's among them."""
+        self._last.pop((user_id, chat_id), None)
+        self.wrote_some()
+
+    def __len__(self) -> int:
+        """The chats with a count kept."""
+        return len(self._last)
+
     def current(self, seen: SeenSandbox) -> bool:
         """No write of the chat's record can have landed since ``seen`` was read."""
         return max(self._last.get((seen.user_id, seen.chat_id), 0), self._all) <= seen.after

@@ -155,6 +155,11 @@ async def test_a_claim_reads_its_chats_sandbox_and_knows_when_that_read_went_sta
         await write()
         assert not writes.current(seen), i
     assert (await claim("k9")).record is None  # the deletion removed it
+    # and its count went with it: only "other" has one kept, until it is deleted too
+    assert len(writes) == 1
+    await store.delete_chat("u", "other")
+    assert len(writes) == 0
+    assert writes.current(await claim("k11"))
     assert (await store.claim_job("k9", "u", "c", "m", "d", "o", read_sandbox=True)).sandbox is None  # running
     assert (await store.claim_job("k10", "u", "c", "m", "d", "o")).sandbox is None  # not asked
 

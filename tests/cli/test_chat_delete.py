@@ -84,10 +84,19 @@ async def test_delete_destroys_the_chat_and_a_reused_id_is_new(fx, tmp_path, san
         assert len(pids) > 2  # the gate plus the two resident CLIs (and their helpers)
         before = chat_rows(store, user, chat_id)
         assert before["members"] == len(runtimes) and before["sandboxes"] == 1 and before["wire_records"] > 0
-        # the daemon keeps each member's last wire baseline parsed for its next verdict
-        baselines = d.daemon.supervisor.model_path.baselines
+        # what the daemon keeps in memory of the chat: each member's last wire baseline parsed
+        # for its next verdict, the count of its sandbox record's writes, its model socket's
+        # members, its two residents
+        sup = d.daemon.supervisor
+        baselines, model_path, chat_key = sup.model_path.baselines, sup.model_path, \
+            sup.model_path.chat_key(user, chat_id)
         assert sorted(m for m in baselines.members() if m[:2] == (user, chat_id)) == sorted(
             (user, chat_id, c.member_id) for c in chats.values())
+        assert len(store.sandbox_writes) == 2  # this chat's and the neighbour's
+        assert chat_key in model_path.chats
+        assert sorted(v for k, v in model_path.members.items() if k[0] == chat_key) == sorted(
+            c.member_id for c in chats.values())
+        assert len([k for k in sup.pool.keys() if k[:2] == (user, chat_id)]) == 2
         assert any(r["capture_json"] for r in rows(store, "wire_records") if r["user_id"] == user)
         neighbour_rows = chat_rows(store, neighbour.user_id, chat_id)
 
@@ -112,9 +121,13 @@ async def test_delete_destroys_the_chat_and_a_reused_id_is_new(fx, tmp_path, san
         assert volumes_of(docker_client, identity, container_name(user, chat_id)) == []
         assert [p for p in pids if alive_in(p, container)] == []
         assert not Path(settings.check_socket_root(), container_name(user, chat_id)).exists()
-        # the daemon's memory: no member of the chat has a next turn to compare with (the
-        # neighbour's baseline stays)
+        # the daemon's memory keeps nothing of the chat (the neighbour's stays)
         assert baselines.members() == [(neighbour.user_id, chat_id, neighbour.member_id)]
+        assert len(store.sandbox_writes) == 1
+        assert chat_key not in model_path.chats
+        assert [k for k in (*model_path.members, *model_path.jobs) if k[0] == chat_key] == []
+        assert [k for k in sup.pool.keys() if k[:2] == (user, chat_id)] == []
+        assert sup.locks.chat_keys(user, chat_id) == []
         # the store: no record, ledger row or captured text; receipts are tombstones without text
         assert chat_rows(store, user, chat_id) == dict.fromkeys(CHAT_TABLES, 0)
         jobs = [r for r in rows(store, "jobs") if (r["user_id"], r["chat_id"]) == (user, chat_id)]

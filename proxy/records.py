@@ -8,10 +8,11 @@ header value is ever recorded, so the real key cannot reach a record.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, Protocol
+from typing import Annotated, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from .classify import Kind
 from .digest import TextMessage
@@ -19,27 +20,21 @@ from .digest import TextMessage
 ApiShape = Literal["anthropic", "responses", "chat"]
 
 
-class DigestEntry(BaseModel):
+@dataclass(frozen=True, slots=True)
+class DigestEntry:
     """One user/assistant text message of a request, as its role and the sha256 of its text."""
 
-    model_config = ConfigDict(frozen=True)
-
+    # A slotted dataclass, not a model: a request carries one entry per message of its whole
+    # history, so a long chat's turn makes and reads hundreds (the proxy's digest, the judge's
+    # records, the member's baseline). Made here it costs 0.6 µs, a BaseModel 1.7 µs; read
+    # from JSON inside a record, pydantic validates it (the pattern too) in about 60% of the
+    # model's time. Its JSON and schema are a model's: {"role": ..., "sha256": ...}.
     role: Literal["user", "assistant"]
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-    # A verdict compares a request's whole history entry by entry, on the commit's path:
-    # the two fields directly, not pydantic's generic field-by-field __eq__ (about 2 µs each)
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, DigestEntry):
-            return self.sha256 == other.sha256 and self.role == other.role
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.role, self.sha256))
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
     @classmethod
     def of(cls, message: TextMessage) -> DigestEntry:
-        return cls(role=message.role, sha256=message.sha256)
+        return cls(message.role, message.sha256)  # our own hash: nothing to validate
 
     @classmethod
     def text(cls, role: Literal["user", "assistant"], text: str) -> DigestEntry:

@@ -5,6 +5,7 @@ only with capture on."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -38,7 +39,7 @@ async def path(tmp_path):
 
 
 def d(role: str, text: str) -> dict[str, str]:
-    return DigestEntry.text(role, text).model_dump()  # type: ignore[arg-type]
+    return dataclasses.asdict(DigestEntry.text(role, text))  # type: ignore[arg-type]
 
 
 seq = iter(range(1, 10_000))

@@ -7,18 +7,20 @@ from __future__ import annotations
 import hashlib
 import json
 import string
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from deploy.loopback import audit as witness
 from deploy.loopback import load_jsonl
 from proxy.classify import classify
 from proxy.digest import DigestError, decode_body, strip_annotations, text_messages
-from proxy.records import DigestEntry, digest_of
+from proxy.records import DigestEntry, WireRecord, digest_of
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "loopback"
 
@@ -221,3 +223,25 @@ def test_digest_entries_are_equal_exactly_when_role_and_digest_are() -> None:
     assert a != ("user", sha("same text"))  # only another entry compares equal
     assert len({a, DigestEntry.text("user", "same text"), DigestEntry.text("assistant", "same text")}) == 2
     assert [a, DigestEntry.text("assistant", "x")] == [DigestEntry.text("user", "same text"), DigestEntry.text("assistant", "x")]
+
+
+def test_a_digest_entry_keeps_its_json_and_is_validated_where_a_record_is_read() -> None:
+    """DigestEntry is a slotted dataclass (a long chat's request carries hundreds): its JSON,
+    its schema and its validation are still a model's, so stored records read the same."""
+    rec = WireRecord(seq=1, chat_key="k", member_key="mk", job_id="j", started_at=datetime(2026, 12, 6, tzinfo=UTC),
+                     duration_ms=1.0, method="POST", path="/v1/messages", route="anthropic.messages",
+                     api="anthropic", kind="conversation", side=False, status=200, bytes_in=1, bytes_out=1,
+                     digest=[DigestEntry.text("user", "hi"), DigestEntry.text("assistant", "hello")])
+    stored = json.loads(rec.model_dump_json())
+    assert stored["digest"] == [{"role": "user", "sha256": sha("hi")}, {"role": "assistant", "sha256": sha("hello")}]
+    assert WireRecord.model_validate_json(rec.model_dump_json()) == rec
+    entry = WireRecord.model_json_schema()["$defs"]["DigestEntry"]
+    assert entry["required"] == ["role", "sha256"]
+    assert entry["properties"]["sha256"]["pattern"] == "^[0-9a-f]{64}$"
+    assert entry["properties"]["role"]["enum"] == ["user", "assistant"]
+    for bad, field, kind in ((sha("x")[:63], "sha256", "string_pattern_mismatch"), ("system", "role", "literal_error")):
+        wrong = dict(stored, digest=[{"role": "user", "sha256": sha("hi")},
+                                     {"role": "assistant", "sha256": sha("hello")} | {field: bad}])
+        with pytest.raises(ValidationError) as caught:
+            WireRecord.model_validate_json(json.dumps(wrong))
+        assert [(e["loc"], e["type"]) for e in caught.value.errors()] == [(("digest", 1, field), kind)]

@@ -35,13 +35,14 @@ import cProfile
 import inspect
 import os
 import random
+import sqlite3
 import statistics
 import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
             live_k.append((time.perf_counter_ns() - t) / 1e6)
             count_cpu("k", cpu0)
     out["load"]["live"] = load()
+    print(f"{runtime}: {ledger_bytes(sup.settings.store_path, user, chat, members)}", flush=True)
     if instances > 1:  # each instance's own medians: how far one CLI process differs from another
         for k in range(instances):
             dk, bk = live_d[k::instances], live_b[k::instances]
@@ -641,6 +643,23 @@ def row(runtime: str, r: dict[str, Any]) -> str:
     return line
 
 
+def ledger_bytes(db: Path, user: str, chat: str, members: list[str]) -> str:
+    """What the wire ledger keeps of the LIVE arm's members (SQLite): every request's record and
+    every turn's baseline hold the member's whole history's digest, so a member's bytes grow with
+    the square of its turns until its chat is deleted."""
+    if not db.exists():
+        return "the wire ledger: not SQLite, not measured"
+    marks = ",".join("?" * len(members))
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+        records, = con.execute(f"SELECT COALESCE(SUM(LENGTH(record_json)), 0) FROM wire_records WHERE user_id=? "
+                               f"AND chat_id=? AND member_id IN ({marks})", (user, chat, *members)).fetchone()
+        turns, baselines = con.execute(f"SELECT COUNT(*), COALESCE(SUM(LENGTH(baseline_json)), 0) FROM wire_turns "
+                                       f"WHERE user_id=? AND chat_id=? AND member_id IN ({marks})",
+                                       (user, chat, *members)).fetchone()
+    return (f"the wire ledger after {turns} turns of {len(members)} member(s): records {records / 2**20:.1f} MiB, "
+            f"turn baselines {baselines / 2**20:.1f} MiB")
+
+
 def by_history(live_d: list[float], live_b: list[float], instances: int) -> str:
     """LIVE added p50 over the first and the last quarter of the turn pairs: a member's history
     grows a turn at a time, and every request carries all of it (the proxy digests it, the
@@ -694,7 +713,11 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
         if r["phases"]:
             own = [sum(ms for k, ms in trace_row if not k.startswith(CLI_SPANS)) for trace_row in r["phases"]]
             print(f"{rt}: the supervisor's own phases of a LIVE turn (all but {', '.join(CLI_SPANS)}), summed "
-                  f"per turn: p50 {statistics.median(own):.2f} ms, p90 {pct(own, 90):.2f} ms")
+                  f"per turn: p50 {statistics.median(own):.2f} ms, p90 {pct(own, 90):.2f} ms, p99 {pct(own, 99):.2f} ms, "
+                  f"max {max(own):.2f} ms")
+            worst = sorted(((ms, k) for trace_row in r["phases"] for k, ms in trace_row if not k.startswith(CLI_SPANS)),
+                           reverse=True)[:5]
+            print(f"{rt}: its five longest own spans: " + ", ".join(f"{k} {ms:.1f} ms" for ms, k in worst))
     if any(r.get("rest_phases") for r in results.values()):
         # where a RESTORED turn's time goes (its bare arm: engine start, gate, exec, resume, turn)
         print("\nRESTORED turn per-phase breakdown after a stop (median ms since the previous mark)")

@@ -33,7 +33,7 @@ SOCKET_PATH_MAX = 107
 # list against what the service imports): a change to any of them is another build.
 BUILD_SOURCES = ("proxy", "state", "telemetry", "runner/__init__.py", "runner/model_proxy.py",
                  "runner/proxy_attribution.py", "runner/proxy_protocol.py", "runner/proxy_control.py",
-                 "runner/proxy_service.py", "runner/event_loop.py")
+                 "runner/proxy_service.py", "runner/event_loop.py", "runner/heap.py")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 

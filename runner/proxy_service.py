@@ -16,6 +16,7 @@ import fcntl
 import os
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import anyio
 import structlog
 from prometheus_client import CollectorRegistry
 
-from runner import event_loop
+from runner import event_loop, heap
 from runner.model_proxy import ModelProxy
 from runner.proxy_control import ControlServer
 from runner.proxy_protocol import ServiceConfig, ServicePaths, build_id
@@ -63,9 +64,11 @@ async def keep_log_bounded(path: Path, fds: tuple[int, ...]) -> None:
         await anyio.sleep(LOG_CHECK_S)
 
 
-async def run_service(config: ServiceConfig, *, log_fds: tuple[int, ...] = ()) -> str:
+async def run_service(config: ServiceConfig, *, log_fds: tuple[int, ...] = (),
+                      on_ready: Callable[[], None] | None = None) -> str:
     """Serve until stopped; returns why. ``log_fds`` write to the service's log, which is
-    kept under ``LOG_KEEP_BYTES``."""
+    kept under ``LOG_KEEP_BYTES``; ``on_ready``: called once its proxy is up (``main``:
+    runner.heap)."""
     build = await anyio.to_thread.run_sync(build_id)
     # its writes are the wire records, made durable by the receipt commit that follows them
     store = open_store(config.store_url.get_secret_value() if config.store_url else None, config.store_path,
@@ -75,6 +78,8 @@ async def run_service(config: ServiceConfig, *, log_fds: tuple[int, ...] = ()) -
     try:
         async with ModelProxy(config.proxy, store, registry=registry) as proxy, anyio.create_task_group() as tg:
             tg.start_soon(keep_log_bounded, config.paths.log, log_fds)
+            if on_ready is not None:
+                on_ready()
             reason = await ControlServer(config, proxy, build_id=build, registry=registry).serve()
             tg.cancel_scope.cancel()
             return reason
@@ -132,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.pid.write_text(f"{os.getpid()}\n")
         log.info("proxy_service.started", pid=os.getpid(), home=str(config.home))
-        reason = event_loop.run(partial(run_service, config, log_fds=() if args.foreground else (1, 2)))
+        def ready() -> None:
+            log.info("proxy_service.heap_frozen", objects=heap.freeze_startup())
+
+        reason = event_loop.run(partial(run_service, config, log_fds=() if args.foreground else (1, 2),
+                                        on_ready=ready))
         log.info("proxy_service.stopped", reason=reason)
         return 0
     except Exception:

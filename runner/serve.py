@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +12,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
-from runner import event_loop
+from runner import event_loop, heap
 from runner.breaker import CircuitBreaker
 from runner.config import Settings
 from runner.control_plane import HeartbeatPublisher
@@ -89,7 +89,9 @@ def check_token(settings: Settings) -> str | None:
     return token
 
 
-def build_daemon(settings: Settings, *, hooks: TestHooks | None = None) -> Daemon:
+def build_daemon(settings: Settings, *, hooks: TestHooks | None = None,
+                 on_ready: Callable[[], None] | None = None) -> Daemon:
+    """``on_ready``: called once the daemon is ready, before it serves (``serve``: runner.heap)."""
     token = check_token(settings)
     if token is None:
         log.warning("daemon.dev_mode", detail="no service token: every route is open to local callers")
@@ -116,6 +118,8 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None) -> Daemo
                 stack.push_async_callback(gate.aclose)
             await stack.enter_async_context(supervisor.running())
             await stack.enter_async_context(attestor.running())
+            if on_ready is not None:
+                on_ready()
             log.info("daemon.ready", listen=f"{settings.listen_host}:{settings.listen_port}", gateway=gateway_url,
                      owner=supervisor.owner)
             yield
@@ -133,7 +137,10 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None) -> Daemo
 
 
 def serve(settings: Settings) -> None:
-    daemon = build_daemon(settings)
+    def ready() -> None:
+        log.info("daemon.heap_frozen", objects=heap.freeze_startup())
+
+    daemon = build_daemon(settings, on_ready=ready)
     # httptools (llhttp, in C) rather than h11: a turn's request and its NDJSON event lines cost
     # less on the event loop the turns share (issue 16)
     config = uvicorn.Config(daemon.app, host=settings.listen_host, port=settings.listen_port, log_config=None,

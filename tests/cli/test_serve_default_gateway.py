@@ -16,8 +16,12 @@ from tests.cli.attestation_helpers import spawn_daemon
 pytestmark = [pytest.mark.cli, pytest.mark.docker]
 
 
+def events_of(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
 def fixture_url(log: str) -> str:
-    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    events = events_of(log)
     urls = [e["url"] for e in events if e.get("event") == "gateway.embedded_fixture"]
     ready = [e["gateway"] for e in events if e.get("event") == "daemon.ready"]
     assert len(urls) == 1 and ready == urls, (urls, ready)
@@ -56,6 +60,15 @@ def test_serve_without_a_gateway_runs_jobs_on_the_loopback_child(tmp_path, sandb
                          timeout=5).json()["requests"]
         assert len(seen) == 1 and message in json.dumps(seen[0]["body"])
         assert (tmp_path / "home" / "loopback-requests.jsonl").read_text().count(message) == 1
+        # both services froze their start-up's objects once ready (runner.heap), the daemon before
+        # it said so; the proxy service runs the job's model traffic, so it is up by now
+        daemon_events = [e["event"] for e in events_of(d.log())]
+        assert daemon_events.count("daemon.heap_frozen") == 1
+        assert daemon_events.index("daemon.heap_frozen") < daemon_events.index("daemon.ready")
+        service = [e for e in events_of((tmp_path / "home" / "proxy" / "service.log").read_text())
+                   if e.get("event") == "proxy_service.heap_frozen"]
+        frozen = [e["objects"] for e in events_of(d.log()) if e.get("event") == "daemon.heap_frozen"]
+        assert len(service) == 1 and service[0]["objects"] > 10_000 and frozen[0] > 10_000, (service, frozen)
         d.kill9()
         deadline = time.monotonic() + 30
         while not refuses_connections(url):  # the child sees stdin close when its parent dies

@@ -19,16 +19,16 @@ import statistics
 import time
 from datetime import UTC, datetime
 
-from proxy import Baseline, DigestEntry, WireRecord
+from proxy import Baseline
 from proxy.audit import audit_request
 from proxy.routes import ROUTES
 from runner.baseline_cache import BaselineCache
 from runner.model_path import ModelPath
 from state.receipts import Outcome, Receipt
 from state.records import MemberRecord
-from state.wire_ledger import WireExpectation, WireRecordRow, WireSettleView
+from state.wire_ledger import WireSettleView
+from tests.bench.bench_judge import C, M, U, settle_view
 
-U, C, M = "u1", "c1", "m1"
 ROUTE = next(r for r in ROUTES if r.name == "anthropic.messages")
 
 
@@ -48,13 +48,7 @@ def view_of(history: int) -> tuple[WireSettleView, Baseline]:
     digest = audit_request(body_of(history), None, ROUTE, capture=False).digest
     assert digest is not None and len(digest) == history
     before = Baseline(conversation=digest[:-2], reply=[digest[-2]])
-    request = WireRecord(seq=1, chat_key="k", member_key="mk", job_id="j2", started_at=datetime.now(UTC),
-                         duration_ms=1.0, method="POST", path="/v1/messages", route=ROUTE.name, api="anthropic",
-                         kind="conversation", side=False, status=200, bytes_in=1, bytes_out=1, digest=digest,
-                         reply=[DigestEntry.text("assistant", "this reply")])
-    row = WireRecordRow(record_id="r1", user_id=U, chat_id=C, member_id=M, job_id="j2", ordinal="1",
-                        record_json=request.model_dump_json(), capture_json=None, created_at="")
-    return WireSettleView([row], WireExpectation(True, before.model_dump_json(), [])), before
+    return settle_view(before, digest, path="/v1/messages", route=ROUTE.name, api="anthropic"), before
 
 
 def main() -> None:

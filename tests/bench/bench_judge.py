@@ -19,6 +19,7 @@ import time
 from datetime import UTC, datetime
 
 from proxy import Baseline, DigestEntry, WireRecord
+from proxy.records import ApiShape
 from runner.baseline_cache import BaselineCache
 from runner.model_path import ModelPath
 from state.receipts import Outcome, Receipt
@@ -35,14 +36,20 @@ def conversation(n: int) -> list[DigestEntry]:
 def view_of(history: int) -> tuple[WireSettleView, Baseline]:
     """The member's baseline after ``history`` messages, and this turn's one request on it."""
     before = Baseline(conversation=conversation(history - 1), reply=[DigestEntry.text("assistant", "reply")])
+    return settle_view(before, [*before.expected, DigestEntry.text("user", "this turn")]), before
+
+
+def settle_view(before: Baseline, digest: list[DigestEntry], *, path: str = "/v1/responses",
+                route: str = "openai.responses", api: ApiShape = "responses") -> WireSettleView:
+    """What the commit reads: the member's ``before`` and the turn's one request, whose
+    conversation is ``digest``, as the ledger holds them."""
     request = WireRecord(seq=1, chat_key="k", member_key="mk", job_id="j2", started_at=datetime.now(UTC),
-                         duration_ms=1.0, method="POST", path="/v1/responses", route="openai.responses",
-                         api="responses", kind="conversation", side=False, status=200, bytes_in=1, bytes_out=1,
-                         digest=[*before.expected, DigestEntry.text("user", "this turn")],
+                         duration_ms=1.0, method="POST", path=path, route=route, api=api, kind="conversation",
+                         side=False, status=200, bytes_in=1, bytes_out=1, digest=digest,
                          reply=[DigestEntry.text("assistant", "this reply")])
     row = WireRecordRow(record_id="r1", user_id=U, chat_id=C, member_id=M, job_id="j2", ordinal="1",
                         record_json=request.model_dump_json(), capture_json=None, created_at="")
-    return WireSettleView([row], WireExpectation(True, before.model_dump_json(), [])), before
+    return WireSettleView([row], WireExpectation(True, before.model_dump_json(), []))
 
 
 def main() -> None:

@@ -62,12 +62,13 @@ def test_serve_without_a_gateway_runs_jobs_on_the_loopback_child(tmp_path, sandb
         assert (tmp_path / "home" / "loopback-requests.jsonl").read_text().count(message) == 1
         # both services froze their start-up's objects once ready (runner.heap), the daemon before
         # it said so; the proxy service runs the job's model traffic, so it is up by now
-        daemon_events = [e["event"] for e in events_of(d.log())]
+        daemon_log = events_of(d.log())
+        daemon_events = [e["event"] for e in daemon_log]
         assert daemon_events.count("daemon.heap_frozen") == 1
         assert daemon_events.index("daemon.heap_frozen") < daemon_events.index("daemon.ready")
         service = [e for e in events_of((tmp_path / "home" / "proxy" / "service.log").read_text())
                    if e.get("event") == "proxy_service.heap_frozen"]
-        frozen = [e["objects"] for e in events_of(d.log()) if e.get("event") == "daemon.heap_frozen"]
+        frozen = [e["objects"] for e in daemon_log if e.get("event") == "daemon.heap_frozen"]
         assert len(service) == 1 and service[0]["objects"] > 10_000 and frozen[0] > 10_000, (service, frozen)
         d.kill9()
         deadline = time.monotonic() + 30

@@ -76,6 +76,11 @@ class WireRecord(BaseModel):
     error: str | None = Field(default=None, description="why the proxy answered itself or the exchange broke off")
     digest: list[DigestEntry] | None = Field(default=None, description="conversation digest; None if unreadable")
     digest_error: str | None = None
+    # How the ledger stores a digest (proxy.stored_digest): a reader gets it whole, never these
+    digest_parent: str | None = Field(default=None, description="stored as a difference: the record whose "
+                                      "digest this one's starts with (its entries after them are in digest)")
+    digest_shared: int | None = Field(default=None, description="stored as a difference: how many entries of "
+                                      "the parent record's digest this one starts with")
     reply: list[DigestEntry] | None = Field(default=None, description="assistant text the response carried")
     capture: list[CapturedMessage] | None = Field(default=None, description="request texts (capture on only)")
     reply_capture: list[CapturedMessage] | None = None

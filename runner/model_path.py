@@ -14,7 +14,7 @@ decides each turn's wire verdict.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -28,6 +28,7 @@ from pydantic import SecretStr
 from drivers.models import GatewayConfig
 from proxy import (
     Baseline,
+    DigestEntry,
     ProxyConfig,
     VerdictMetrics,
     WireRecord,
@@ -37,6 +38,7 @@ from proxy import (
     placeholder_key,
     wire_verdict,
 )
+from proxy.stored_digest import BaselineRef, rebuild
 from runner.baseline_cache import BaselineCache
 from runner.config import LOOPBACK_KEY, Settings
 from runner.model_proxy import ModelProxy, ProxyOps
@@ -51,7 +53,7 @@ from state.contract import StoreContract
 from state.jobs import Job
 from state.receipts import Outcome, Receipt, WireDifference, WireInfo
 from state.records import MemberRecord, SandboxState
-from state.wire_ledger import SettleQuery, WireRecordRow, WireSettleView, WireTurnRow
+from state.wire_ledger import SettleQuery, WireSettleView, WireTurnRow
 
 log = structlog.get_logger("model_path")
 
@@ -259,8 +261,9 @@ class ModelPath:
         """The turn's wire verdict and the ledger row to commit with its receipt, read apart
         from the commit (a turn's own commit judges inside it: ``Store.settle_job``)."""
         await self.flush(receipt)
-        view = await self.store.wire_settle_view(receipt.user_id, receipt.job_id, self.settle_query(receipt, member))
-        wire, row = self.judge(receipt, member, view, message=message, compaction=compaction,
+        query = self.settle_query(receipt, member)
+        view = await self.store.wire_settle_view(receipt.user_id, receipt.job_id, query)
+        wire, row = self.judge(receipt, member, query, view, message=message, compaction=compaction,
                                settled_index=settled_index)
         self.count_verdict(receipt.runtime, wire)
         return wire, row
@@ -278,28 +281,41 @@ class ModelPath:
         end_of = (mk, receipt.job_id) if self._take_job(key, mk, receipt.job_id) else None
         await self._tell("flush", lambda p: p.flush(key, FLUSH_TIMEOUT_S, end_of))
 
-    @staticmethod
-    def settle_query(receipt: Receipt, member: MemberRecord | None) -> SettleQuery:
+    def settle_query(self, receipt: Receipt, member: MemberRecord | None) -> SettleQuery:
         """The ledger view the verdict reads: the job's records and the member's standing (a
-        fork with no turn of its own compares with its source at the fork point)."""
+        fork with no turn of its own compares with its source at the fork point), and the
+        record whose whole digest this daemon still holds (its last baseline's), which the
+        view then need not read back."""
         if member is None:
             return SettleQuery(receipt.chat_id, None)
         fork = (member.forked_from, member.settled_turns) if member.forked_from is not None else None
-        return SettleQuery(receipt.chat_id, member.member_id, fork)
+        known = self.baselines.whole_digests((receipt.user_id, receipt.chat_id, member.member_id))
+        return SettleQuery(receipt.chat_id, member.member_id, fork, known)
 
-    def judge(self, receipt: Receipt, member: MemberRecord | None, view: WireSettleView, *, message: str,
-              compaction: bool, settled_index: int) -> tuple[WireInfo, WireTurnRow]:
-        """The verdict from the view; pure, for it runs on the store's thread inside the commit's
-        transaction, once per attempt (:meth:`count_verdict` counts it once it stands)."""
-        records, own = _records(view.records), view.expectation
+    def judge(self, receipt: Receipt, member: MemberRecord | None, query: SettleQuery, view: WireSettleView, *,
+              message: str, compaction: bool, settled_index: int) -> tuple[WireInfo, WireTurnRow]:
+        """The verdict from the view read with ``query``; pure, for it runs on the store's thread
+        inside the commit's transaction, once per attempt (:meth:`count_verdict` counts it once
+        it stands)."""
+        known: Mapping[str, list[DigestEntry]] = query.known
+        stored = {r.record_id: WireRecord.model_validate_json(r.record_json) for r in [*view.ancestors, *view.records]}
+        whole = rebuild(stored, known)
+        # seq restarts with each proxy process: renumber in the ledger's arrival order
+        records = [whole[r.record_id].model_copy(update={"seq": i}) for i, r in enumerate(view.records)]
+        digests = {**known, **{rid: r.digest for rid, r in whole.items() if r.digest is not None}}
+        own = view.expectation
         key = (receipt.user_id, receipt.chat_id, receipt.member_id)
         baseline: Baseline | None = None
         failed: list[str] = []
         if member is not None and own.conversational:
-            baseline = self.baselines.parsed(key, own.baseline_json) if own.baseline_json else None
+            if own.baseline_json is not None:
+                baseline = self.baselines.get(key, own.baseline_json)
+                if baseline is None:
+                    baseline = _baseline(own.baseline_json, own.baseline_record, digests)
+                    self.baselines.keep(key, own.baseline_json, baseline, own.baseline_record)
             failed = own.failed_texts
         elif member is not None and member.forked_from is not None and view.fork_baseline is not None:
-            baseline = Baseline.model_validate_json(view.fork_baseline)
+            baseline = _baseline(view.fork_baseline, view.fork_baseline_record, digests)
         compaction = compaction or saw_summary(records)
         verdict = wire_verdict(records, baseline=baseline, message=message, failed_before=failed,
                                compaction=compaction, runtime=receipt.runtime)
@@ -307,18 +323,19 @@ class ModelPath:
         left = baseline_after(records, succeeded=succeeded)
         conversational = any(r.conversational and r.digest is not None for r in records)
         failed_text = message if receipt.outcome == Outcome.FAILED and conversational else None
-        left_json = None
+        left_json = left_record = None
         if left is not None:
-            left_json = left.model_dump_json()
-            self.baselines.keep(key, left_json, left)
+            # the record baseline_after took its conversation from: the turn's last conversational one
+            left_record = next(row.record_id for row, r in zip(reversed(view.records), reversed(records), strict=True)
+                               if r.conversational and r.digest is not None)
+            left_json = BaselineRef(record_id=left_record, reply=left.reply).model_dump_json()
+            self.baselines.keep(key, left_json, left, left_record)
         row = WireTurnRow(user_id=receipt.user_id, chat_id=receipt.chat_id, member_id=receipt.member_id,
                           job_id=receipt.job_id, settled_index=settled_index, outcome=receipt.outcome.value,
                           conversational=conversational, baseline_json=left_json,
-                          failed_text=failed_text, created_at=datetime.now(UTC).isoformat())
+                          failed_text=failed_text, created_at=datetime.now(UTC).isoformat(),
+                          baseline_record=left_record)
         return to_wire_info(verdict), row
-
-    async def records(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecord]:
-        return _records(await self.store.wire_records_of_job(user_id, chat_id, job_id))
 
     async def purge_capture(self) -> int:
         before = datetime.now(UTC) - timedelta(days=self.settings.wire_capture_days)
@@ -336,9 +353,23 @@ class ModelPath:
             await anyio.sleep(period_s)
 
 
-def _records(rows: list[WireRecordRow]) -> list[WireRecord]:
-    # seq restarts with each proxy process: renumber in the ledger's arrival order
-    return [WireRecord.model_validate_json(r.record_json).model_copy(update={"seq": i}) for i, r in enumerate(rows)]
+# Stands in for a baseline conversation the ledger cannot rebuild (its record is missing, which
+# only a damaged store has): no request's digest matches it, so the verdict is a gap at its first
+# entry, never a history the model was not shown to have seen.
+_UNREADABLE = DigestEntry("user", "0" * 64)
+
+
+def _baseline(text: str, record_id: str | None, digests: Mapping[str, list[DigestEntry]]) -> Baseline:
+    """A stored baseline: a reference to its record (``BaselineRef``, with ``record_id``), or
+    its whole conversation (written before migration 11)."""
+    if record_id is None:
+        return Baseline.model_validate_json(text)
+    ref = BaselineRef.model_validate_json(text)
+    conversation = digests.get(record_id)
+    if conversation is None:
+        log.error("wire.baseline_unreadable", record_id=record_id)
+        conversation = [_UNREADABLE]
+    return Baseline.model_construct(conversation=conversation, reply=ref.reply)
 
 
 def saw_summary(records: list[WireRecord]) -> bool:

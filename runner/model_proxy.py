@@ -43,7 +43,8 @@ class ModelProxy:
         self.attribution = Attribution()
         self.metrics = ProxyMetrics(registry)
         # rewrite: the test seam of runner.hooks.TestHooks (a callable: in the daemon's process only)
-        self.host = ProxyHost(config, sink=LedgerSink(store, self.attribution), turn_of=self.attribution.turn_of,
+        self.sink = LedgerSink(store, self.attribution)
+        self.host = ProxyHost(config, sink=self.sink, turn_of=self.attribution.turn_of,
                               metrics=self.metrics, rewrite=rewrite)
 
     async def __aenter__(self) -> ModelProxy:
@@ -64,6 +65,7 @@ class ModelProxy:
     async def close(self, chat_key: str) -> None:
         await self.host.close_sandbox(chat_key)  # its last records still find the chat
         self.attribution.close_chat(chat_key)
+        self.sink.forget_chat(chat_key)
 
     async def flush(self, chat_key: str, timeout_s: float, end_of: tuple[str, str] | None = None) -> None:
         """Every request of the chat that reached the proxy has its record; then, with

@@ -10,13 +10,15 @@ next daemon finishes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from proxy import WireRecord
+from proxy import DigestEntry, WireRecord
+from proxy.stored_digest import KEYFRAME_DEPTH, as_difference
 from state.contract import StoreContract
 from state.wire_ledger import WireRecordRow
 
@@ -67,24 +69,57 @@ class Attribution:
         return self.turns.get((chat_key, member_key))
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """A member's last conversational record in the ledger, the parent of its next one."""
+
+    record_id: str
+    digest: list[DigestEntry]  # whole
+    depth: int  # records since the chain's last whole one
+
+
 class LedgerSink:
-    """:class:`proxy.WireSink` into the store: digests in ``record_json``, texts only with capture."""
+    """:class:`proxy.WireSink` into the store: digests in ``record_json``, texts only with capture.
+
+    A member's conversational request is stored as its difference from the member's previous
+    one (``proxy.stored_digest``), which this sink remembers once the store has it: a record
+    whose write failed is never a parent. A proxy that restarted remembers nothing and stores
+    the next record whole."""
 
     def __init__(self, store: StoreContract, attribution: Attribution) -> None:
         self.store, self.attribution = store, attribution
+        self._last: dict[tuple[str, str], _Stored] = {}  # (chat_key, member_key) -> its last record
+
+    def forget_chat(self, chat_key: str) -> None:
+        for key in [k for k in self._last if k[0] == chat_key]:
+            del self._last[key]
 
     async def put(self, record: WireRecord) -> None:
         chat = self.attribution.chats.get(record.chat_key)
         if chat is None:
             return  # closed meanwhile; nothing to attribute it to
-        member_id = self.attribution.members.get((record.chat_key, record.member_key or ""))
+        member = (record.chat_key, record.member_key or "")
+        member_id = self.attribution.members.get(member)
         captured = None
         if record.capture is not None or record.reply_capture is not None:
             captured = json.dumps({"request": [m.model_dump() for m in record.capture or []],
                                    "reply": [m.model_dump() for m in record.reply_capture or []]})
-        body = record.model_dump_json(exclude={"capture", "reply_capture"})
-        ordinal = f"{record.started_at.isoformat()}|{record.seq:012d}"
-        await self.store.put_wire_record(WireRecordRow(
-            record_id=uuid.uuid4().hex, user_id=chat.user_id, chat_id=chat.chat_id, member_id=member_id,
-            job_id=record.job_id, ordinal=ordinal, record_json=body, capture_json=captured,
-            created_at=datetime.now(UTC).isoformat()))
+        record_id = uuid.uuid4().hex
+        chained = record.conversational and record.digest is not None and record.member_key is not None
+        stored, depth = record, 0
+        parent = self._last.get(member) if chained else None
+        if parent is not None and parent.depth + 1 < KEYFRAME_DEPTH:
+            difference = as_difference(record, parent.record_id, parent.digest)
+            if difference is not None:
+                stored, depth = difference, parent.depth + 1
+        row = WireRecordRow(
+            record_id=record_id, user_id=chat.user_id, chat_id=chat.chat_id, member_id=member_id,
+            job_id=record.job_id, ordinal=f"{record.started_at.isoformat()}|{record.seq:012d}",
+            record_json=stored.model_dump_json(exclude={"capture", "reply_capture"}), capture_json=captured,
+            created_at=datetime.now(UTC).isoformat(), digest_parent=stored.digest_parent)
+        if not await self.store.put_wire_record(row):  # its parent is gone (the chat was deleted): whole
+            depth = 0
+            await self.store.put_wire_record(dataclasses.replace(
+                row, record_json=record.model_dump_json(exclude={"capture", "reply_capture"}), digest_parent=None))
+        if chained and record.chat_key in self.attribution.chats:
+            self._last[member] = _Stored(record_id, list(record.digest or []), depth)

@@ -38,9 +38,11 @@ async def commit_turn(store: StoreContract, model_path: ModelPath, ctx: TurnCont
                        cli_version=receipt.cli_version)
     decided: list[Receipt] = []
 
+    query = model_path.settle_query(receipt, ctx.member)
+
     def decide(view: WireSettleView) -> tuple[str, MemberOutcome]:
         """On the store's thread, inside the commit's transaction (it may run once per attempt)."""
-        wire, row = model_path.judge(receipt, ctx.member, view, message=ctx.job.message,
+        wire, row = model_path.judge(receipt, ctx.member, query, view, message=ctx.job.message,
                                      compaction=ctx.compacted, settled_index=settled)
         final = receipt.model_copy(update={"wire": wire})
         decided.append(final)
@@ -53,7 +55,7 @@ async def commit_turn(store: StoreContract, model_path: ModelPath, ctx: TurnCont
         )
 
     with anyio.CancelScope(shield=True):
-        await store.settle_job(receipt.user_id, receipt.job_id, model_path.settle_query(receipt, ctx.member), decide)
+        await store.settle_job(receipt.user_id, receipt.job_id, query, decide)
     committed = decided[-1]  # the last attempt's (an unacknowledged commit stands)
     if committed.wire is not None:
         model_path.count_verdict(committed.runtime, committed.wire)

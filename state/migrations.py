@@ -125,6 +125,13 @@ MIGRATIONS: list[str] = [
                          WHERE s.user_id = members.user_id AND s.chat_id = members.chat_id)
         WHERE settled_turns > 0;
     """,
+    # 11: a wire record's digest stored as its difference from an earlier record of its member,
+    # and a turn's baseline as its record's id (state.wire_ledger, proxy.stored_digest): the
+    # ledger grew with the square of a chat's turns. Rows written before stay whole.
+    """
+    ALTER TABLE wire_records ADD COLUMN digest_parent TEXT;
+    ALTER TABLE wire_turns ADD COLUMN baseline_record TEXT;
+    """,
 ]
 
 

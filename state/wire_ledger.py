@@ -11,6 +11,12 @@ Two tables (migration 6):
   the next turn's verdict needs it (a CLI may fold it into the next message); it is cleared
   by the next turn that settles successfully.
 
+A record's digest is stored as its difference from an earlier record of its member
+(``digest_parent``, migration 11; ``proxy.stored_digest``), and a turn's baseline as a
+reference to its record (``baseline_record``). A turn's view therefore also carries the
+records its records and baselines refer to (``ancestors``), except those the caller already
+holds whole (``SettleQuery.known``): the usual turn reads none.
+
 The store only keeps JSON it is given: the record and baseline types live in ``proxy``.
 One SQL text serves both backends (``?`` placeholders; PostgreSQL gets ``%s``).
 """
@@ -18,8 +24,8 @@ One SQL text serves both backends (``?`` placeholders; PostgreSQL gets ``%s``).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -37,6 +43,7 @@ class WireRecordRow:
     record_json: str
     capture_json: str | None
     created_at: str
+    digest_parent: str | None = None  # stored as a difference from this record (proxy.stored_digest)
 
 
 @dataclass(frozen=True)
@@ -51,20 +58,27 @@ class WireTurnRow:
     baseline_json: str | None
     failed_text: str | None
     created_at: str
+    baseline_record: str | None = None  # the record baseline_json refers to (proxy.stored_digest.BaselineRef)
 
 
 _INSERT_RECORD = ("INSERT INTO wire_records (record_id, user_id, chat_id, member_id, job_id, ordinal, record_json,"
-                  " capture_json, created_at) VALUES (?,?,?,?,?,?,?,?,?)")
+                  " capture_json, created_at, digest_parent) VALUES (?,?,?,?,?,?,?,?,?,?)")
+_RECORD = "SELECT * FROM wire_records WHERE user_id=? AND chat_id=? AND record_id=?"
+# a difference is stored only while its parent is: a chat deleted meanwhile (its id then begun
+# again) leaves the proxy remembering a record the ledger no longer has
+_INSERT_DIFFERENCE = ("INSERT INTO wire_records (record_id, user_id, chat_id, member_id, job_id, ordinal, record_json,"
+                      " capture_json, created_at, digest_parent) SELECT ?,?,?,?,?,?,?,?,?,? WHERE EXISTS ("
+                      "SELECT 1 FROM wire_records WHERE user_id=? AND chat_id=? AND record_id=?)")
 _RECORDS_OF_JOB = ("SELECT * FROM wire_records WHERE user_id=? AND chat_id=? AND job_id=? ORDER BY ordinal")
 _INSERT_TURN = ("INSERT INTO wire_turns (user_id, chat_id, member_id, job_id, settled_index, outcome, conversational,"
-                " baseline_json, failed_text, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)")
+                " baseline_json, failed_text, created_at, baseline_record) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
 _CLEAR_FAILED = ("UPDATE wire_turns SET failed_text=NULL WHERE user_id=? AND chat_id=? AND member_id=?"
                  " AND failed_text IS NOT NULL")
 # What the next turn's verdict compares with (SPEC 12), read with the member's own index
 # (wire_turns_by_member) in time independent of the chat's length: the last conversational turn's
 # baseline and the failed queries since, never every turn the member ever had.
 _MEMBER = "user_id=? AND chat_id=? AND member_id=? AND conversational=1"
-_LAST_BASELINE = (f"SELECT baseline_json FROM wire_turns WHERE {_MEMBER} AND baseline_json IS NOT NULL"
+_LAST_BASELINE = (f"SELECT baseline_json, baseline_record FROM wire_turns WHERE {_MEMBER} AND baseline_json IS NOT NULL"
                   " ORDER BY created_at DESC, job_id DESC LIMIT 1")
 _ANY_TURN = f"SELECT 1 FROM wire_turns WHERE {_MEMBER} LIMIT 1"
 # the trailing run of failed queries: failed texts with no later conversational turn that has none
@@ -76,7 +90,7 @@ _TRAILING_FAILED = (
     " AND (s.created_at > t.created_at OR (s.created_at = t.created_at AND s.job_id > t.job_id)))"
     " ORDER BY created_at, job_id")
 # a fork's first verdict: its source's last conversational turn at the fork point (its baseline or none)
-_BASELINE_AT = (f"SELECT baseline_json FROM wire_turns WHERE {_MEMBER} AND settled_index <= ?"
+_BASELINE_AT = (f"SELECT baseline_json, baseline_record FROM wire_turns WHERE {_MEMBER} AND settled_index <= ?"
                 " ORDER BY created_at DESC, job_id DESC LIMIT 1")
 _PURGE = "UPDATE wire_records SET capture_json=NULL WHERE capture_json IS NOT NULL AND created_at < ?"
 _DELETE_CHAT = ("DELETE FROM wire_records WHERE user_id=? AND chat_id=?",
@@ -90,6 +104,7 @@ class WireExpectation:
     conversational: bool  # any conversational turn of its own
     baseline_json: str | None  # of its last conversational turn that left one
     failed_texts: list[str]  # its failed queries since its last conversational turn without one, oldest first
+    baseline_record: str | None = None  # the record that baseline refers to
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,9 @@ class WireSettleView:
     records: list[WireRecordRow]
     expectation: WireExpectation
     fork_baseline: str | None = None  # the fork source's baseline at the fork point (SettleQuery.fork_source)
+    fork_baseline_record: str | None = None
+    # the records the job's records and the baselines refer to, transitively, but SettleQuery.known
+    ancestors: list[WireRecordRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -110,18 +128,36 @@ class SettleQuery:
     # (source member id, settled index): a fork's source at the fork point, read only while the
     # member has no conversational turn of its own
     fork_source: tuple[str, int] | None = None
+    # record id -> its whole digest, held by the caller: the view reads no ancestor past them
+    # (the store reads the ids only)
+    known: Mapping[str, Any] = field(default_factory=dict)
 
 
 _NO_EXPECTATION = WireExpectation(False, None, [])
+# a bound on the records one view reads back (a chain has at most proxy.stored_digest.KEYFRAME_DEPTH)
+MAX_ANCESTORS = 1024
 
 
 def _record(row: Any) -> WireRecordRow:
     return WireRecordRow(**{k: row[k] for k in WireRecordRow.__dataclass_fields__})
 
 
+def _insert(row: WireRecordRow) -> tuple[str, tuple[Any, ...]]:
+    params = tuple(getattr(row, k) for k in WireRecordRow.__dataclass_fields__)
+    if row.digest_parent is None:
+        return _INSERT_RECORD, params
+    return _INSERT_DIFFERENCE, (*params, row.user_id, row.chat_id, row.digest_parent)
+
+
 def turn_params(turn: WireTurnRow) -> tuple[Any, ...]:
     return (turn.user_id, turn.chat_id, turn.member_id, turn.job_id, turn.settled_index, turn.outcome,
-            int(turn.conversational), turn.baseline_json, turn.failed_text, turn.created_at)
+            int(turn.conversational), turn.baseline_json, turn.failed_text, turn.created_at, turn.baseline_record)
+
+
+def _seeds(records: list[WireRecordRow], seen: set[str], *refs: str | None) -> list[str]:
+    """What a view's records and baselines refer to that the view does not hold yet."""
+    wanted = [*(r.digest_parent for r in records), *refs]
+    return [w for w in wanted if w is not None and w not in seen]
 
 
 def sqlite_put_turn(db: sqlite3.Connection, turn: WireTurnRow) -> None:
@@ -147,7 +183,7 @@ def _sqlite_expectation(db: sqlite3.Connection, key: tuple[str, str, str]) -> Wi
         return WireExpectation(False, None, [])
     base = db.execute(_LAST_BASELINE, key).fetchone()
     failed = [r[0] for r in db.execute(_TRAILING_FAILED, key)]
-    return WireExpectation(True, base[0] if base else None, failed)
+    return WireExpectation(True, base[0] if base else None, failed, base[1] if base else None)
 
 
 async def _postgres_expectation(conn: Any, key: tuple[str, str, str]) -> WireExpectation:
@@ -155,7 +191,8 @@ async def _postgres_expectation(conn: Any, key: tuple[str, str, str]) -> WireExp
         return WireExpectation(False, None, [])
     base = await (await conn.execute(_pg(_LAST_BASELINE), key)).fetchone()
     failed = [r["failed_text"] for r in await (await conn.execute(_pg(_TRAILING_FAILED), key)).fetchall()]
-    return WireExpectation(True, base["baseline_json"] if base else None, failed)
+    return WireExpectation(True, base["baseline_json"] if base else None, failed,
+                           base["baseline_record"] if base else None)
 
 
 def sqlite_settle_view(db: sqlite3.Connection, user_id: str, job_id: str, query: SettleQuery) -> WireSettleView:
@@ -163,11 +200,22 @@ def sqlite_settle_view(db: sqlite3.Connection, user_id: str, job_id: str, query:
     if query.member_id is None:
         return WireSettleView(records, _NO_EXPECTATION)
     own = _sqlite_expectation(db, (user_id, query.chat_id, query.member_id))
-    fork = None
+    fork = fork_record = None
     if not own.conversational and query.fork_source is not None:
         row = db.execute(_BASELINE_AT, (user_id, query.chat_id, *query.fork_source)).fetchone()
-        fork = row[0] if row else None
-    return WireSettleView(records, own, fork)
+        fork, fork_record = (row[0], row[1]) if row else (None, None)
+    seen = {*query.known, *(r.record_id for r in records)}
+    todo, ancestors = _seeds(records, seen, own.baseline_record, fork_record), []
+    while todo and len(ancestors) < MAX_ANCESTORS:
+        rid = todo.pop()
+        if rid in seen:
+            continue
+        seen.add(rid)
+        row = db.execute(_RECORD, (user_id, query.chat_id, rid)).fetchone()
+        if row is not None:
+            ancestors.append(_record(row))
+            todo += _seeds(ancestors[-1:], seen)
+    return WireSettleView(records, own, fork, fork_record, ancestors)
 
 
 async def postgres_settle_view(conn: Any, user_id: str, job_id: str, query: SettleQuery) -> WireSettleView:
@@ -176,11 +224,22 @@ async def postgres_settle_view(conn: Any, user_id: str, job_id: str, query: Sett
     if query.member_id is None:
         return WireSettleView(records, _NO_EXPECTATION)
     own = await _postgres_expectation(conn, (user_id, query.chat_id, query.member_id))
-    fork = None
+    fork = fork_record = None
     if not own.conversational and query.fork_source is not None:
         row = await (await conn.execute(_pg(_BASELINE_AT), (user_id, query.chat_id, *query.fork_source))).fetchone()
-        fork = row["baseline_json"] if row else None
-    return WireSettleView(records, own, fork)
+        fork, fork_record = (row["baseline_json"], row["baseline_record"]) if row else (None, None)
+    seen = {*query.known, *(r.record_id for r in records)}
+    todo, ancestors = _seeds(records, seen, own.baseline_record, fork_record), []
+    while todo and len(ancestors) < MAX_ANCESTORS:
+        rid = todo.pop()
+        if rid in seen:
+            continue
+        seen.add(rid)
+        row = await (await conn.execute(_pg(_RECORD), (user_id, query.chat_id, rid))).fetchone()
+        if row is not None:
+            ancestors.append(_record(row))
+            todo += _seeds(ancestors[-1:], seen)
+    return WireSettleView(records, own, fork, fork_record, ancestors)
 
 
 class SQLiteWireLedger:
@@ -190,9 +249,9 @@ class SQLiteWireLedger:
     def _tx(self, db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
         raise NotImplementedError
 
-    async def put_wire_record(self, row: WireRecordRow) -> None:
-        params = tuple(getattr(row, k) for k in WireRecordRow.__dataclass_fields__)
-        await self._run(lambda db: self._tx(db, lambda d: d.execute(_INSERT_RECORD, params)))
+    async def put_wire_record(self, row: WireRecordRow) -> bool:
+        sql, params = _insert(row)
+        return await self._run(lambda db: self._tx(db, lambda d: d.execute(sql, params).rowcount == 1))
 
     async def wire_records_of_job(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecordRow]:
         return await self._run(lambda db: [_record(r) for r in db.execute(_RECORDS_OF_JOB,
@@ -226,13 +285,13 @@ class PostgresWireLedger:
     async def _tx(self, fn: Callable[[Any], Awaitable[T]]) -> T:
         raise NotImplementedError
 
-    async def put_wire_record(self, row: WireRecordRow) -> None:
-        params = tuple(getattr(row, k) for k in WireRecordRow.__dataclass_fields__)
+    async def put_wire_record(self, row: WireRecordRow) -> bool:
+        sql, params = _insert(row)
 
-        async def q(conn: Any) -> None:
-            await conn.execute(_pg(_INSERT_RECORD), params)
+        async def q(conn: Any) -> bool:
+            return (await conn.execute(_pg(sql), params)).rowcount == 1
 
-        await self._tx(q)
+        return await self._tx(q)
 
     async def wire_records_of_job(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecordRow]:
         async def q(conn: Any) -> list[WireRecordRow]:

@@ -27,7 +27,7 @@ from runner.model_path import ModelPath
 from state.receipts import Outcome, Receipt
 from state.records import MemberRecord
 from state.wire_ledger import WireSettleView
-from tests.bench.bench_judge import C, M, U, settle_view
+from tests.bench.bench_judge import BEFORE, C, M, U, hot, settle_view
 
 ROUTE = next(r for r in ROUTES if r.name == "anthropic.messages")
 
@@ -67,6 +67,7 @@ def main() -> None:
     for history in (int(h) for h in args.messages.split(",")):
         raw = body_of(history)
         view, before = view_of(history)
+        query, hot_view = hot(view, before)
         message = text(history - 1)
         times: dict[str, list[float]] = {"audit": [], "judge": []}
         for i in range(args.n + 10):
@@ -74,9 +75,9 @@ def main() -> None:
             audit_request(raw, None, ROUTE, capture=False)
             t1 = time.perf_counter()
             mp.baselines = BaselineCache()
-            mp.baselines.keep((U, C, M), view.expectation.baseline_json or "", before)  # this daemon's last commit
+            mp.baselines.keep((U, C, M), view.expectation.baseline_json or "", before, BEFORE)  # this daemon's last commit
             t2 = time.perf_counter()
-            wire, _ = mp.judge(receipt, member, view, message=message, compaction=False, settled_index=2)
+            wire, _ = mp.judge(receipt, member, query, hot_view, message=message, compaction=False, settled_index=2)
             t3 = time.perf_counter()
             assert wire.history == "complete", wire
             if i >= 10:  # warmed up

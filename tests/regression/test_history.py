@@ -92,6 +92,16 @@ async def test_live_followups(runtime: str, daemon: RunningDaemon, fx) -> None:
     last = await m.turn("Thanks, that is all.", "LIVE")
     assert user_texts(m.history).count(same) == 2 and len(m.history) == 8
     assert last.receipt["locator_before"] == first.receipt["locator_after"] == last.receipt["locator_after"]
+    # the ledger kept each turn's request as what it added to the one before: the last reply and
+    # this message (proxy.stored_digest), and the verdicts above were judged from those
+    store = daemon.daemon.supervisor.store
+    stored = [(row.record_id, row.digest_parent, json.loads(row.record_json)) for t in m.turns
+              for row in await store.wire_records_of_job(m.user_id, m.chat_id, t.receipt["job_id"])]
+    conversational = [(rid, parent, doc) for rid, parent, doc in stored if doc["route"] and not doc["side"]]
+    assert [(len(doc["digest"]), doc["digest_shared"]) for _, _, doc in conversational] == [
+        (1, None), (2, 1), (2, 3), (2, 5)], conversational
+    assert [parent for _, parent, _ in conversational] == [None, *(rid for rid, _, _ in conversational[:-1])]
+    assert [doc["digest_parent"] for _, _, doc in conversational] == [parent for _, parent, _ in conversational]
 
 
 # ---------------------------------------------------------------- 2. immediate close / restore

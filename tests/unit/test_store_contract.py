@@ -910,3 +910,54 @@ async def test_the_proxy_services_handle_commits_without_its_own_flush_and_the_d
         await proxy.aclose()
         if url is not None:
             await store.aclose()
+
+
+async def test_the_settle_view_reads_back_the_records_its_records_and_baselines_refer_to(
+        store: StoreContract) -> None:
+    """Records stored as differences (digest_parent) and baselines as references to their
+    record (baseline_record): the view carries every record they lead back to, transitively,
+    once each, up to the records the caller holds (``SettleQuery.known``), and only the chat's."""
+    from datetime import UTC, datetime
+
+    from state.wire_ledger import SettleQuery, WireRecordRow, WireTurnRow
+
+    at = datetime(2026, 12, 7, tzinfo=UTC).isoformat()
+
+    async def put(rid: str, job: str, parent: str | None, chat: str = "c") -> bool:
+        return await store.put_wire_record(WireRecordRow(rid, "u", chat, "m", job, rid, f'{{"id": "{rid}"}}', None,
+                                                         at, parent))
+
+    await store.ensure_member("u", "c", "m", "pi")
+    await put("r0", "j1", None)
+    await put("r1", "j1", "r0")
+    await put("r2", "j1", "r1")
+    await put("x9", "jx", None, chat="other")  # another chat's record is never read
+    await store.claim_job("j1", "u", "c", "m", "d", "o")
+    turn = WireTurnRow("u", "c", "m", "j1", 1, "succeeded", True, '{"record_id": "r2"}', None, at, "r2")
+    await store.finish_job("u", "j1", _receipt("j1", "u", "c", "one"), MemberOutcome("LIVE", "succeeded", wire=turn))
+    await put("r3", "j2", "r2")
+    await put("r4", "j2", "r3")  # its parent is the job's own record: not an ancestor
+    # a difference whose parent the chat's ledger does not hold is not stored (the chat was
+    # deleted and begun again while the proxy remembered its last record)
+    assert await put("r5", "j2", "x9") is False and await put("r5", "j2", "nope") is False
+    assert [r.record_id for r in await store.wire_records_of_job("u", "c", "j2")] == ["r3", "r4"]
+    assert await put("r5", "j2", None) is True
+
+    def ids(view) -> tuple[list[str], list[str], str | None]:
+        return ([r.record_id for r in view.records], sorted(r.record_id for r in view.ancestors),
+                view.expectation.baseline_record)
+
+    cold = await store.wire_settle_view("u", "j2", SettleQuery("c", "m"))
+    assert ids(cold) == (["r3", "r4", "r5"], ["r0", "r1", "r2"], "r2")
+    assert [r.digest_parent for r in cold.records] == ["r2", "r3", None]
+    assert {r.record_id: r.digest_parent for r in cold.ancestors} == {"r0": None, "r1": "r0", "r2": "r1"}
+    hot = await store.wire_settle_view("u", "j2", SettleQuery("c", "m", known={"r2": ["whole"]}))
+    assert ids(hot) == (["r3", "r4", "r5"], [], "r2")  # the usual turn: nothing read back
+    halfway = await store.wire_settle_view("u", "j2", SettleQuery("c", "m", known={"r1": ["whole"]}))
+    assert ids(halfway) == (["r3", "r4", "r5"], ["r2"], "r2")
+    # a fork's first turn: its source's baseline at the fork point, and what that refers to
+    await store.ensure_member("u", "c", "fork", "pi", forked_from="m")
+    await store.claim_job("f1", "u", "c", "fork", "d", "o")
+    fork = await store.wire_settle_view("u", "f1", SettleQuery("c", "fork", ("m", 1)))
+    assert (fork.fork_baseline, fork.fork_baseline_record) == ('{"record_id": "r2"}', "r2")
+    assert sorted(r.record_id for r in fork.ancestors) == ["r0", "r1", "r2"]

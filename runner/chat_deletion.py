@@ -65,7 +65,7 @@ async def delete_chat(sup: Supervisor, user_id: str, chat_id: str) -> ChatDelete
             async with sup.locks.hold_all(sup.locks.chat_keys(user_id, chat_id)):
                 retired = await sup.pool.retire_where(lambda r: r.key[:2] == chat, "chat deleted")
                 await sup.model_path.close(user_id, chat_id)
-                sup.model_path.baselines.forget_chat(user_id, chat_id)  # no member of it has a next turn
+                sup.model_path.forget_chat(user_id, chat_id)
                 removed = await sup.manager.remove(user_id, chat_id)
                 rows = await sup.store.delete_chat(user_id, chat_id)
     log.info("chat.deleted", cancelled=len(doomed), retired=retired, container=removed.container,

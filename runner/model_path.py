@@ -205,6 +205,10 @@ class ModelPath:
         if self._ops is not None:
             await self._tell("close", lambda p: p.close(key))
 
+    def forget_chat(self, user_id: str, chat_id: str) -> None:
+        """The chat was deleted: no member of it has a next verdict (its kept baselines go)."""
+        self.baselines.forget_chat(user_id, chat_id)
+
     # -- members and turns --------------------------------------------------------------------
 
     async def gateway(self, user_id: str, chat_id: str, member_id: str, model: str) -> GatewayConfig:

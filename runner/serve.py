@@ -21,6 +21,7 @@ from runner.fleet import Fleet
 from runner.forwarding import FleetGate
 from runner.supervisor import Supervisor, build_supervisor
 from runner.turn import TestHooks
+from telemetry.gc_pauses import GcPauses
 
 log = structlog.get_logger("serve")
 
@@ -139,6 +140,7 @@ def build_daemon(settings: Settings, *, hooks: TestHooks | None = None,
 def serve(settings: Settings) -> None:
     def ready() -> None:
         log.info("daemon.heap_frozen", objects=heap.freeze_startup())
+        GcPauses(daemon.supervisor.metrics.registry).install()  # the collections from now on
 
     daemon = build_daemon(settings, on_ready=ready)
     # httptools (llhttp, in C) rather than h11: a turn's request and its NDJSON event lines cost

@@ -70,6 +70,13 @@ def test_serve_without_a_gateway_runs_jobs_on_the_loopback_child(tmp_path, sandb
                    if e.get("event") == "proxy_service.heap_frozen"]
         frozen = [e["objects"] for e in daemon_log if e.get("event") == "daemon.heap_frozen"]
         assert len(service) == 1 and service[0]["objects"] > 10_000 and frozen[0] > 10_000, (service, frozen)
+        # and the daemon counts its collector's pauses since (telemetry.gc_pauses): a turn makes garbage
+        from prometheus_client.parser import text_string_to_metric_families
+
+        scraped = httpx.get(f"{d.url}/metrics", timeout=10).text
+        (pauses,) = [f for f in text_string_to_metric_families(scraped) if f.name == "cloud_agent_gc_pause_seconds"]
+        counts = {s.labels["generation"]: s.value for s in pauses.samples if s.name.endswith("_count")}
+        assert set(counts) <= {"0", "1", "2"} and counts.get("0", 0) >= 1, counts
         d.kill9()
         deadline = time.monotonic() + 30
         while not refuses_connections(url):  # the child sees stdin close when its parent dies

@@ -316,7 +316,8 @@ class ModelPath:
                 baseline = self.baselines.get(key, own.baseline_json)
                 if baseline is None:
                     baseline = _baseline(own.baseline_json, own.baseline_record, digests)
-                    self.baselines.keep(key, own.baseline_json, baseline, own.baseline_record)
+                    if baseline.conversation is not _UNREADABLE:  # never claim a digest nobody read
+                        self.baselines.keep(key, own.baseline_json, baseline, own.baseline_record)
             failed = own.failed_texts
         elif member is not None and member.forked_from is not None and view.fork_baseline is not None:
             baseline = _baseline(view.fork_baseline, view.fork_baseline_record, digests)
@@ -360,7 +361,7 @@ class ModelPath:
 # Stands in for a baseline conversation the ledger cannot rebuild (its record is missing, which
 # only a damaged store has): no request's digest matches it, so the verdict is a gap at its first
 # entry, never a history the model was not shown to have seen.
-_UNREADABLE = DigestEntry("user", "0" * 64)
+_UNREADABLE = [DigestEntry("user", "0" * 64)]
 
 
 def _baseline(text: str, record_id: str | None, digests: Mapping[str, list[DigestEntry]]) -> Baseline:
@@ -372,7 +373,7 @@ def _baseline(text: str, record_id: str | None, digests: Mapping[str, list[Diges
     conversation = digests.get(record_id)
     if conversation is None:
         log.error("wire.baseline_unreadable", record_id=record_id)
-        conversation = [_UNREADABLE]
+        conversation = _UNREADABLE
     return Baseline.model_construct(conversation=conversation, reply=ref.reply)
 
 

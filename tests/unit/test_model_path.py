@@ -319,13 +319,17 @@ async def test_a_baseline_whose_record_is_gone_is_a_gap_never_complete(path: Mod
     path.store._db.execute("DELETE FROM wire_records WHERE record_id=?", (gone,))  # noqa: SLF001 - damage the store
     path.baselines = type(path.baselines)()  # a restart: nothing kept
     sink_of(path, fresh=True)
-    await request(path, "m1", "m1-j3", conversation(3), "r3")
+    await request(path, "m1", "m1-side", [("user", "title?")], "a title", kind="title")
     with capture_logs() as logs:
+        side = await settle(path, "m1", "m1-side", "q-side", Outcome.SUCCEEDED)
+        # the daemon never claims to hold the gone record's digest (a later view would not read it)
+        assert side["history"] == "none" and path.baselines.whole_digests((U, C, "m1")) == {}
+        await request(path, "m1", "m1-j3", conversation(3), "r3")
         wire = await settle(path, "m1", "m1-j3", "q3", Outcome.SUCCEEDED)
     assert (wire["history"], wire["first_difference"]) == ("gap", {
         "index": 0, "role": "user", "expected_digest": "0" * 64, "observed_digest": d("user", "q0")["sha256"]})
     assert [e for e in logs if e["event"] == "wire.baseline_unreadable"] == [
-        {"event": "wire.baseline_unreadable", "record_id": gone, "log_level": "error"}]
+        {"event": "wire.baseline_unreadable", "record_id": gone, "log_level": "error"}] * 2
 
 
 async def test_a_ledger_written_before_differences_is_judged_as_before(path: ModelPath) -> None:

@@ -134,7 +134,21 @@ class SettleQuery:
 
 
 _NO_EXPECTATION = WireExpectation(False, None, [])
-# a bound on the records one view reads back (a chain has at most proxy.stored_digest.KEYFRAME_DEPTH)
+# The records ``seeds`` lead back to through digest_parent, transitively, never past one in
+# ``stop`` (PostgreSQL: one round trip; SQLite reads them one by one on its own thread)
+_PG_ANCESTORS = """
+WITH RECURSIVE chain(record_id, digest_parent, depth) AS (
+    SELECT record_id, digest_parent, 1 FROM wire_records
+     WHERE user_id = %(u)s AND chat_id = %(c)s AND record_id = ANY(%(seeds)s)
+  UNION
+    SELECT w.record_id, w.digest_parent, c.depth + 1 FROM chain c
+      JOIN wire_records w ON w.user_id = %(u)s AND w.chat_id = %(c)s AND w.record_id = c.digest_parent
+     WHERE NOT (c.digest_parent = ANY(%(stop)s)) AND c.depth < %(depth)s)
+SELECT * FROM wire_records
+ WHERE user_id = %(u)s AND chat_id = %(c)s AND record_id IN (SELECT record_id FROM chain)
+"""
+# a bound on what one view reads back (SQLite: records; PostgreSQL: links of a chain), far above
+# what the proxy writes (a chain has at most proxy.stored_digest.KEYFRAME_DEPTH records)
 MAX_ANCESTORS = 1024
 
 
@@ -229,16 +243,11 @@ async def postgres_settle_view(conn: Any, user_id: str, job_id: str, query: Sett
         row = await (await conn.execute(_pg(_BASELINE_AT), (user_id, query.chat_id, *query.fork_source))).fetchone()
         fork, fork_record = (row["baseline_json"], row["baseline_record"]) if row else (None, None)
     seen = {*query.known, *(r.record_id for r in records)}
-    todo, ancestors = _seeds(records, seen, own.baseline_record, fork_record), []
-    while todo and len(ancestors) < MAX_ANCESTORS:
-        rid = todo.pop()
-        if rid in seen:
-            continue
-        seen.add(rid)
-        row = await (await conn.execute(_pg(_RECORD), (user_id, query.chat_id, rid))).fetchone()
-        if row is not None:
-            ancestors.append(_record(row))
-            todo += _seeds(ancestors[-1:], seen)
+    seeds, ancestors = _seeds(records, seen, own.baseline_record, fork_record), []
+    if seeds:  # one round trip for every chain (a restarted daemon's first turn of a member)
+        cur = await conn.execute(_PG_ANCESTORS, {"u": user_id, "c": query.chat_id, "seeds": seeds,
+                                                 "stop": sorted(seen), "depth": MAX_ANCESTORS})
+        ancestors = [_record(r) for r in await cur.fetchall()]
     return WireSettleView(records, own, fork, fork_record, ancestors)
 
 

@@ -7,7 +7,7 @@ header value is ever recorded, so the real key cannot reach a record.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Literal, Protocol
@@ -43,6 +43,12 @@ class DigestEntry:
 
 def digest_of(messages: Iterable[TextMessage]) -> list[DigestEntry]:
     return [DigestEntry.of(m) for m in messages]
+
+
+def entry_keys(entries: Sequence[DigestEntry]) -> list[tuple[str, str]]:
+    """The entries as plain tuples: two digests compare in C this way, where comparing the
+    entries calls one __eq__ each (a long chat's history is hundreds of them)."""
+    return [(e.role, e.sha256) for e in entries]
 
 
 class CapturedMessage(BaseModel):

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, Field
 
-from .records import DigestEntry, WireRecord
+from .records import DigestEntry, WireRecord, entry_keys
 
 KEYFRAME_DEPTH = 32  # a chain's records between two whole ones, at most
 
@@ -38,16 +38,12 @@ class BaselineRef(BaseModel):
 def shared_prefix(parent: Sequence[DigestEntry], digest: Sequence[DigestEntry]) -> int:
     """How many leading entries ``digest`` has in common with ``parent``."""
     n = len(parent)
-    if len(digest) >= n and _keys(digest[:n]) == _keys(parent):  # the usual case, compared in C
+    if len(digest) >= n and entry_keys(digest[:n]) == entry_keys(parent):  # the usual case, compared in C
         return n
     for i, (a, b) in enumerate(zip(parent, digest, strict=False)):
         if a != b:
             return i
     return min(n, len(digest))
-
-
-def _keys(entries: Sequence[DigestEntry]) -> list[tuple[str, str]]:
-    return [(e.role, e.sha256) for e in entries]
 
 
 def as_difference(record: WireRecord, parent_id: str, parent_digest: Sequence[DigestEntry]) -> WireRecord | None:
@@ -61,11 +57,13 @@ def as_difference(record: WireRecord, parent_id: str, parent_digest: Sequence[Di
                                      "digest_shared": shared})
 
 
-def rebuild(records: Mapping[str, WireRecord], known: Mapping[str, Sequence[DigestEntry]]) -> dict[str, WireRecord]:
+def rebuild(records: Mapping[str, WireRecord], known: Mapping[str, list[DigestEntry]]) -> dict[str, WireRecord]:
     """``records`` (by record id, as stored) with their whole digests. A difference's parent is
     looked for in ``records``, then in ``known`` (record id -> that record's whole digest). A
     record whose chain is broken gets no digest, as an unreadable request does."""
-    whole: dict[str, list[DigestEntry] | None] = {rid: list(d) for rid, d in known.items()}
+    # digests are never changed once made, so the known ones are shared, not copied: a long
+    # chat's is hundreds of entries, on every turn
+    whole: dict[str, list[DigestEntry] | None] = dict(known)
 
     def digest_of(rid: str) -> list[DigestEntry] | None:
         chain: list[str] = []  # from rid back to the first record whose whole digest is known

@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from .records import DigestEntry, WireRecord
+from .records import DigestEntry, WireRecord, entry_keys
 
 History = Literal["new", "complete", "gap", "compacted", "none"]
 
@@ -120,15 +120,11 @@ def tolerances_for(runtime: str | None) -> list[Tolerance]:
 # ---------------------------------------------------------------- checks
 
 
-def _keys(entries: Sequence[DigestEntry]) -> list[tuple[str, str]]:
-    return [(e.role, e.sha256) for e in entries]
-
-
 def _prefix_difference(expected: Sequence[DigestEntry], observed: Sequence[DigestEntry], check: str,
                        seq: int) -> FirstDifference | None:
     # The usual answer (no difference) from two lists of tuples compared in C: a long chat's
     # history is hundreds of entries, and one __eq__ call per entry was most of the verdict
-    if len(observed) >= len(expected) and _keys(observed[:len(expected)]) == _keys(expected):
+    if len(observed) >= len(expected) and entry_keys(observed[:len(expected)]) == entry_keys(expected):
         return None
     for i, want in enumerate(expected):
         got = observed[i] if i < len(observed) else None

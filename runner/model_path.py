@@ -306,7 +306,11 @@ class ModelPath:
         whole = rebuild(stored, known)
         # seq restarts with each proxy process: renumber in the ledger's arrival order
         records = [whole[r.record_id].model_copy(update={"seq": i}) for i, r in enumerate(view.records)]
-        digests = {**known, **{rid: r.digest for rid, r in whole.items() if r.digest is not None}}
+
+        def digest_of(record_id: str) -> list[DigestEntry] | None:  # read only when the cache misses
+            record = whole.get(record_id)
+            return record.digest if record is not None and record.digest is not None else known.get(record_id)
+
         own = view.expectation
         key = (receipt.user_id, receipt.chat_id, receipt.member_id)
         baseline: Baseline | None = None
@@ -315,12 +319,12 @@ class ModelPath:
             if own.baseline_json is not None:
                 baseline = self.baselines.get(key, own.baseline_json)
                 if baseline is None:
-                    baseline = _baseline(own.baseline_json, own.baseline_record, digests)
+                    baseline = _baseline(own.baseline_json, own.baseline_record, digest_of)
                     if baseline.conversation is not _UNREADABLE:  # never claim a digest nobody read
                         self.baselines.keep(key, own.baseline_json, baseline, own.baseline_record)
             failed = own.failed_texts
         elif member is not None and member.forked_from is not None and view.fork_baseline is not None:
-            baseline = _baseline(view.fork_baseline, view.fork_baseline_record, digests)
+            baseline = _baseline(view.fork_baseline, view.fork_baseline_record, digest_of)
         compaction = compaction or saw_summary(records)
         verdict = wire_verdict(records, baseline=baseline, message=message, failed_before=failed,
                                compaction=compaction, runtime=receipt.runtime)
@@ -364,13 +368,13 @@ class ModelPath:
 _UNREADABLE = [DigestEntry("user", "0" * 64)]
 
 
-def _baseline(text: str, record_id: str | None, digests: Mapping[str, list[DigestEntry]]) -> Baseline:
+def _baseline(text: str, record_id: str | None, digest_of: Callable[[str], list[DigestEntry] | None]) -> Baseline:
     """A stored baseline: a reference to its record (``BaselineRef``, with ``record_id``), or
     its whole conversation (written before migration 11)."""
     if record_id is None:
         return Baseline.model_validate_json(text)
     ref = BaselineRef.model_validate_json(text)
-    conversation = digests.get(record_id)
+    conversation = digest_of(record_id)
     if conversation is None:
         log.error("wire.baseline_unreadable", record_id=record_id)
         conversation = _UNREADABLE

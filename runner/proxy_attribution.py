@@ -122,4 +122,4 @@ class LedgerSink:
             await self.store.put_wire_record(dataclasses.replace(
                 row, record_json=record.model_dump_json(exclude={"capture", "reply_capture"}), digest_parent=None))
         if chained and record.chat_key in self.attribution.chats:
-            self._last[member] = _Stored(record_id, list(record.digest or []), depth)
+            self._last[member] = _Stored(record_id, record.digest or [], depth)  # never changed: not copied

@@ -61,13 +61,14 @@ class WireTurnRow:
     baseline_record: str | None = None  # the record baseline_json refers to (proxy.stored_digest.BaselineRef)
 
 
-_INSERT_RECORD = ("INSERT INTO wire_records (record_id, user_id, chat_id, member_id, job_id, ordinal, record_json,"
-                  " capture_json, created_at, digest_parent) VALUES (?,?,?,?,?,?,?,?,?,?)")
+_RECORD_COLUMNS = tuple(WireRecordRow.__dataclass_fields__)  # the table's columns, in the row's order
+_INSERT_RECORD = (f"INSERT INTO wire_records ({', '.join(_RECORD_COLUMNS)})"
+                  f" VALUES ({','.join('?' * len(_RECORD_COLUMNS))})")
 _RECORD = "SELECT * FROM wire_records WHERE user_id=? AND chat_id=? AND record_id=?"
 # a difference is stored only while its parent is: a chat deleted meanwhile (its id then begun
 # again) leaves the proxy remembering a record the ledger no longer has
-_INSERT_DIFFERENCE = ("INSERT INTO wire_records (record_id, user_id, chat_id, member_id, job_id, ordinal, record_json,"
-                      " capture_json, created_at, digest_parent) SELECT ?,?,?,?,?,?,?,?,?,? WHERE EXISTS ("
+_INSERT_DIFFERENCE = (f"INSERT INTO wire_records ({', '.join(_RECORD_COLUMNS)})"
+                      f" SELECT {','.join('?' * len(_RECORD_COLUMNS))} WHERE EXISTS ("
                       "SELECT 1 FROM wire_records WHERE user_id=? AND chat_id=? AND record_id=?)")
 _RECORDS_OF_JOB = ("SELECT * FROM wire_records WHERE user_id=? AND chat_id=? AND job_id=? ORDER BY ordinal")
 _INSERT_TURN = ("INSERT INTO wire_turns (user_id, chat_id, member_id, job_id, settled_index, outcome, conversational,"
@@ -153,11 +154,11 @@ MAX_ANCESTORS = 1024
 
 
 def _record(row: Any) -> WireRecordRow:
-    return WireRecordRow(**{k: row[k] for k in WireRecordRow.__dataclass_fields__})
+    return WireRecordRow(**{k: row[k] for k in _RECORD_COLUMNS})
 
 
 def _insert(row: WireRecordRow) -> tuple[str, tuple[Any, ...]]:
-    params = tuple(getattr(row, k) for k in WireRecordRow.__dataclass_fields__)
+    params = tuple(getattr(row, k) for k in _RECORD_COLUMNS)
     if row.digest_parent is None:
         return _INSERT_RECORD, params
     return _INSERT_DIFFERENCE, (*params, row.user_id, row.chat_id, row.digest_parent)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import compress, count
+from operator import is_not
 from typing import Annotated, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -45,9 +47,25 @@ def digest_of(messages: Iterable[TextMessage]) -> list[DigestEntry]:
     return [DigestEntry.of(m) for m in messages]
 
 
-def entry_keys(entries: Sequence[DigestEntry]) -> list[tuple[str, str]]:
-    """The entries as plain tuples: two digests compare in C this way, where comparing the
-    entries calls one __eq__ each (a long chat's history is hundreds of them)."""
+def common_prefix(a: Sequence[DigestEntry], b: Sequence[DigestEntry]) -> int:
+    """How many leading entries ``a`` and ``b`` have in common, compared in C.
+
+    A long chat's digest is hundreds of entries, compared on every turn, and one __eq__ call
+    per entry was most of the judge. A digest rebuilt from its parent record shares the
+    parent's entry objects (proxy.stored_digest.rebuild), and the member's baseline is that
+    same list, so the usual common prefix is found by identity; past the first entry that is
+    not the same object, the rest is compared by value as tuples."""
+    n = min(len(a), len(b))
+    same = next(compress(count(), map(is_not, a, b)), n)  # the first position holding two objects
+    if same == n:
+        return n
+    rest_a, rest_b = _keys(a[same:n]), _keys(b[same:n])
+    if rest_a == rest_b:
+        return n
+    return same + next(i for i, (x, y) in enumerate(zip(rest_a, rest_b, strict=True)) if x != y)
+
+
+def _keys(entries: Sequence[DigestEntry]) -> list[tuple[str, str]]:
     return [(e.role, e.sha256) for e in entries]
 
 

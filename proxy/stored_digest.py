@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, Field
 
-from .records import DigestEntry, WireRecord, entry_keys
+from .records import DigestEntry, WireRecord, common_prefix
 
 KEYFRAME_DEPTH = 32  # a chain's records between two whole ones, at most
 
@@ -37,13 +37,7 @@ class BaselineRef(BaseModel):
 
 def shared_prefix(parent: Sequence[DigestEntry], digest: Sequence[DigestEntry]) -> int:
     """How many leading entries ``digest`` has in common with ``parent``."""
-    n = len(parent)
-    if len(digest) >= n and entry_keys(digest[:n]) == entry_keys(parent):  # the usual case, compared in C
-        return n
-    for i, (a, b) in enumerate(zip(parent, digest, strict=False)):
-        if a != b:
-            return i
-    return min(n, len(digest))
+    return common_prefix(parent, digest)
 
 
 def as_difference(record: WireRecord, parent_id: str, parent_digest: Sequence[DigestEntry]) -> WireRecord | None:

@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from .records import DigestEntry, WireRecord, entry_keys
+from .records import DigestEntry, WireRecord, common_prefix
 
 History = Literal["new", "complete", "gap", "compacted", "none"]
 
@@ -68,7 +68,10 @@ def baseline_after(records: Sequence[WireRecord], *, succeeded: bool) -> Baselin
     if not conv:
         return None
     last = conv[-1]
-    return Baseline(conversation=list(last.digest or []), reply=list(last.reply or []) if succeeded else [])
+    # entries already validated (the records'): a long chat's conversation is hundreds of them,
+    # and validating each again (its digest's pattern) was most of the judge at 800 messages
+    return Baseline.model_construct(conversation=list(last.digest or []),
+                                    reply=list(last.reply or []) if succeeded else [])
 
 
 # ---------------------------------------------------------------- tolerances
@@ -122,24 +125,20 @@ def tolerances_for(runtime: str | None) -> list[Tolerance]:
 
 def _prefix_difference(expected: Sequence[DigestEntry], observed: Sequence[DigestEntry], check: str,
                        seq: int) -> FirstDifference | None:
-    # The usual answer (no difference) from two lists of tuples compared in C: a long chat's
-    # history is hundreds of entries, and one __eq__ call per entry was most of the verdict
-    if len(observed) >= len(expected) and entry_keys(observed[:len(expected)]) == entry_keys(expected):
+    i = common_prefix(expected, observed)
+    if i == len(expected):
         return None
-    for i, want in enumerate(expected):
-        got = observed[i] if i < len(observed) else None
-        if got != want:
-            return FirstDifference(index=i, role=want.role, expected_digest=want.sha256,
-                                   observed_digest=got.sha256 if got else None, check=check, request_seq=seq)  # type: ignore[arg-type]
-    return None
+    want, got = expected[i], observed[i] if i < len(observed) else None
+    return FirstDifference(index=i, role=want.role, expected_digest=want.sha256,
+                           observed_digest=got.sha256 if got else None, check=check, request_seq=seq)  # type: ignore[arg-type]
 
 
 def _check_first(exp: Expectation, observed: list[DigestEntry], seq: int) -> FirstDifference | None:
     diff = _prefix_difference(exp.prefix, observed, "history", seq)
     if diff is not None:
         return diff
-    users = [i for i, e in enumerate(observed) if e.role == "user"]
-    last = users[-1] if users and users[-1] >= len(exp.prefix) else None
+    # the last user message after the prefix (the prefix itself is history, checked above)
+    last = next((i for i in range(len(observed) - 1, len(exp.prefix) - 1, -1) if observed[i].role == "user"), None)
     if last is not None and observed[last] == exp.message:
         return None
     index = len(exp.prefix) if last is None else last

@@ -30,6 +30,17 @@ def test_the_shared_prefix_is_where_the_two_first_differ() -> None:
     assert shared_prefix([DigestEntry.text("user", "a")], [DigestEntry.text("assistant", "a")]) == 0
 
 
+def test_the_shared_prefix_of_a_rebuilt_digest_counts_shared_objects_then_equal_ones() -> None:
+    # a rebuilt digest holds its parent's entry objects, then entries of its own equal to some
+    parent = entries("a", "ra", "b", "rb")
+    rebuilt = [*parent[:3], *entries("rb", "c")]
+    assert rebuilt[:3] == parent[:3] and rebuilt[3] is not parent[3]
+    assert shared_prefix(parent, rebuilt) == 4  # three shared objects, then one equal entry
+    assert shared_prefix(parent, [*parent[:2], *entries("x", "rb")]) == 2  # differs past the shared objects
+    assert shared_prefix(parent, parent[:3]) == 3
+    assert shared_prefix(parent, [*parent, *entries("c")]) == 4  # every object shared
+
+
 def test_a_difference_stores_the_entries_after_the_shared_ones() -> None:
     parent = entries("a", "ra", "b")
     stored = as_difference(record("a", "ra", "b", "rb", "c"), "r-1", parent)

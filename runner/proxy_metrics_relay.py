@@ -1,11 +1,12 @@
 """The model proxy service's counters on the daemon's registry (SPEC 11): one exposition for
 the scraper, every family once.
 
-The service counts requests by route and status, rejections and body bytes in its own process
-(its counters outlive daemon restarts, and reset when the service is replaced: a counter reset
-the scraper handles). Before each scrape the daemon asks it for a snapshot; this collector
-yields the snapshot's samples under the families :class:`proxy.ProxyMetrics` declares, which it
-also declares when no snapshot came (an idle or unreachable service: families without samples).
+The service counts requests by route and status, rejections, body bytes and its collector's
+pauses in its own process (its counters outlive daemon restarts, and reset when the service is
+replaced: a counter reset the scraper handles). Before each scrape the daemon asks it for a
+snapshot; this collector yields the snapshot's samples under the families
+:class:`proxy.ProxyMetrics` and the service's ``telemetry.gc_pauses`` declare, which it also
+declares when no snapshot came (an idle or unreachable service: families without samples).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from prometheus_client.registry import Collector
 
 from proxy import ProxyMetrics
 from runner.proxy_protocol import MetricsResult
+from telemetry.gc_pauses import PROXY_SERVICE, GcPauses
 
 
 def _declared() -> list[Metric]:
-    """The proxy's families, as this build declares them, without samples."""
-    return list(ProxyMetrics(CollectorRegistry()).registry.collect())
+    """The service's families, as this build declares them, without samples: the proxy's, and
+    its process's collector pauses (the service's entry point installs them)."""
+    registry = ProxyMetrics(CollectorRegistry()).registry
+    GcPauses(registry, PROXY_SERVICE)  # declared, not installed: this process is the daemon
+    return list(registry.collect())
 
 
 class ProxyMetricsRelay(Collector):

@@ -29,6 +29,7 @@ from runner.model_proxy import ModelProxy
 from runner.proxy_control import ControlServer
 from runner.proxy_protocol import ServiceConfig, ServicePaths, build_id
 from state.backends import open_store
+from telemetry.gc_pauses import PROXY_SERVICE, GcPauses
 from telemetry.logs import configure_logging
 
 log = structlog.get_logger("proxy_service")
@@ -65,10 +66,10 @@ async def keep_log_bounded(path: Path, fds: tuple[int, ...]) -> None:
 
 
 async def run_service(config: ServiceConfig, *, log_fds: tuple[int, ...] = (),
-                      on_ready: Callable[[], None] | None = None) -> str:
+                      on_ready: Callable[[CollectorRegistry], None] | None = None) -> str:
     """Serve until stopped; returns why. ``log_fds`` write to the service's log, which is
-    kept under ``LOG_KEEP_BYTES``; ``on_ready``: called once its proxy is up (``main``:
-    runner.heap)."""
+    kept under ``LOG_KEEP_BYTES``; ``on_ready``: called once its proxy is up, with the
+    registry the daemon's /metrics relays (``main``: runner.heap, telemetry.gc_pauses)."""
     build = await anyio.to_thread.run_sync(build_id)
     # its writes are the wire records, made durable by the receipt commit that follows them
     store = open_store(config.store_url.get_secret_value() if config.store_url else None, config.store_path,
@@ -79,7 +80,7 @@ async def run_service(config: ServiceConfig, *, log_fds: tuple[int, ...] = (),
         async with ModelProxy(config.proxy, store, registry=registry) as proxy, anyio.create_task_group() as tg:
             tg.start_soon(keep_log_bounded, config.paths.log, log_fds)
             if on_ready is not None:
-                on_ready()
+                on_ready(registry)
             reason = await ControlServer(config, proxy, build_id=build, registry=registry).serve()
             tg.cancel_scope.cancel()
             return reason
@@ -137,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.pid.write_text(f"{os.getpid()}\n")
         log.info("proxy_service.started", pid=os.getpid(), home=str(config.home))
-        def ready() -> None:
+        def ready(registry: CollectorRegistry) -> None:
             log.info("proxy_service.heap_frozen", objects=heap.freeze_startup())
+            GcPauses(registry, PROXY_SERVICE).install()  # its collections from now on, relayed
 
         reason = event_loop.run(partial(run_service, config, log_fds=() if args.foreground else (1, 2),
                                         on_ready=ready))

@@ -6,9 +6,9 @@ take under 8 ms). This keeps the pauses in sight in production:
 ``cloud_agent_gc_pause_seconds{generation}``. A collection runs under the GIL from its start
 callback to its stop callback, so two never interleave and one start time suffices.
 
-Process entry points only (``cloud-agent serve``), as ``runner.heap``: the callback is the
-process's, and a test process running several daemons would count each collection once per
-daemon.
+Process entry points only (``cloud-agent serve``, and ``runner.proxy_service`` under its own
+name, which the daemon's /metrics relays), as ``runner.heap``: the callback is the process's,
+and a test process running several daemons would count each collection once per daemon.
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+DAEMON = "cloud_agent_gc_pause_seconds"
+PROXY_SERVICE = "cloud_agent_proxy_gc_pause_seconds"  # the model proxy service's process
+_WHOSE = {DAEMON: "the daemon's", PROXY_SERVICE: "the model proxy service's"}
 
 
 class GcPauses:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.histogram = Histogram("cloud_agent_gc_pause_seconds",
-                                   "Pauses of the cyclic garbage collector (the event loop stopped), by generation",
+    def __init__(self, registry: CollectorRegistry, name: str = DAEMON) -> None:
+        self.histogram = Histogram(name, f"Pauses of the cyclic garbage collector in {_WHOSE[name]} process (its "
+                                   "event loop stopped), by generation",
                                    ["generation"], buckets=BUCKETS, registry=registry)
         self._started = 0.0
 

@@ -77,6 +77,11 @@ def test_serve_without_a_gateway_runs_jobs_on_the_loopback_child(tmp_path, sandb
         (pauses,) = [f for f in text_string_to_metric_families(scraped) if f.name == "cloud_agent_gc_pause_seconds"]
         counts = {s.labels["generation"]: s.value for s in pauses.samples if s.name.endswith("_count")}
         assert set(counts) <= {"0", "1", "2"} and counts.get("0", 0) >= 1, counts
+        # and the proxy service's, relayed: it parsed and recorded the turn's requests
+        (relayed,) = [f for f in text_string_to_metric_families(scraped)
+                      if f.name == "cloud_agent_proxy_gc_pause_seconds"]
+        counts = {s.labels["generation"]: s.value for s in relayed.samples if s.name.endswith("_count")}
+        assert set(counts) <= {"0", "1", "2"} and counts.get("0", 0) >= 1, counts
         d.kill9()
         deadline = time.monotonic() + 30
         while not refuses_connections(url):  # the child sees stdin close when its parent dies

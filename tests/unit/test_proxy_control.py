@@ -6,10 +6,11 @@ flight, and its counters reach a daemon's registry as one exposition."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -26,6 +27,7 @@ from runner.proxy_metrics_relay import ProxyMetricsRelay
 from runner.proxy_protocol import Begin, RequestLine, ServiceConfig, Stop, parse_request
 from runner.proxy_service import run_service
 from state.store import Store
+from telemetry.gc_pauses import PROXY_SERVICE, GcPauses
 from telemetry.metrics import exposition
 from tests.support.metrics import sample
 from tests.support.proxy_harness import key_file, uds_client
@@ -60,14 +62,14 @@ def config(home: Path, upstream: str, linger_s: float = 60.0) -> ServiceConfig:
 class Service:
     """``run_service`` in a task of this process; ``reason`` once it returned."""
 
-    def __init__(self, cfg: ServiceConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: ServiceConfig, on_ready: Callable[[CollectorRegistry], None] | None = None) -> None:
+        self.cfg, self.on_ready = cfg, on_ready
         self.reason: str | None = None
         self.done = anyio.Event()
 
     async def run(self) -> None:
         try:
-            self.reason = await run_service(self.cfg)
+            self.reason = await run_service(self.cfg, on_ready=self.on_ready)
         finally:
             self.done.set()
 
@@ -242,8 +244,13 @@ async def test_its_counters_reach_the_daemons_registry_as_one_exposition(fx: Loo
     relay = ProxyMetricsRelay(daemon_registry)
     text = exposition(daemon_registry, "")[0].decode()
     assert "# TYPE cloud_agent_proxy_requests_total counter" in text  # declared before any snapshot
+    assert "# TYPE cloud_agent_proxy_gc_pause_seconds histogram" in text
     assert sample(text, "cloud_agent_proxy_requests_total", route="anthropic.messages", status="200") is None
-    service = Service(config(tmp_path / "home", fx.base_url))
+    pauses: list[tuple[CollectorRegistry, GcPauses]] = []
+    # the service's entry point installs its collector's pauses on the registry it relays (in its
+    # own process; here, this one's collections while installed)
+    service = Service(config(tmp_path / "home", fx.base_url),
+                      on_ready=lambda registry: pauses.append((registry, GcPauses(registry, PROXY_SERVICE).install())))
     async with anyio.create_task_group() as tg:
         tg.start_soon(service.run)
         await service.listening()
@@ -254,6 +261,11 @@ async def test_its_counters_reach_the_daemons_registry_as_one_exposition(fx: Loo
                 assert (await client.post("/m/mk1/v1/messages", json=ANTHROPIC)).status_code == 200
                 assert (await client.get("/m/mk1/v1/secrets")).status_code == 403
             await ops.flush(CHAT, 5.0)
+            try:
+                gc.collect(2)
+                gc.collect(2)
+            finally:
+                pauses[0][1].remove()
             relay.update(await ops.metrics())
             await link.stop(0)
     for accept in ("", "application/openmetrics-text; version=1.0.0"):
@@ -265,6 +277,12 @@ async def test_its_counters_reach_the_daemons_registry_as_one_exposition(fx: Loo
         assert sample(text, "cloud_agent_proxy_requests_total", route="anthropic.messages", status="200") == 1
         assert sample(text, "cloud_agent_proxy_requests_total", route="denied", status="403") == 1
         assert sample(text, "cloud_agent_proxy_denied_total", reason="not_a_model_route") == 1
+        # every collection the service counted (frozen once removed; the two explicit ones at least)
+        own = exposition(pauses[0][0], "")[0].decode()
+        relayed = sample(text, "cloud_agent_proxy_gc_pause_seconds_count", generation="2")
+        assert relayed is not None and relayed >= 2
+        assert relayed == sample(own, "cloud_agent_proxy_gc_pause_seconds_count", generation="2")
+        assert families.count("cloud_agent_proxy_gc_pause_seconds") == 1
     relay.update(None)  # the service did not answer the scrape: no samples, the families stay
     text = exposition(daemon_registry, "")[0].decode()
     assert "# TYPE cloud_agent_proxy_requests_total counter" in text

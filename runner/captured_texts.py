@@ -6,6 +6,12 @@ texts of the first difference only when it can prove them: a captured text is us
 sha256 is the digest the verdict names, so a purged, partial or unrelated capture shows
 nothing rather than a wrong text. The observed text is looked for in the diagnosed turn's own
 records, the expected one in that turn and the member's earlier turns (newest first).
+
+A request stored as a difference (proxy.stored_digest) captured only the texts after the ones
+it shares with its parent record, whose capture (or its parent's, back to the chain's whole
+record) holds the others: when the turns' own records do not hold a text, their parents are
+read, up to a chain's length. A parent whose capture was purged before its child's shows
+nothing for the texts only it held.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from proxy.digest import sha256_text
+from proxy.stored_digest import KEYFRAME_DEPTH
 from state.receipts import Receipt
+from state.wire_ledger import WireRecordRow
 
 if TYPE_CHECKING:
     from runner.diagnosis import WireVerdict
     from state.contract import StoreContract
 
 EARLIER_TURNS = 8  # how far back an expected text is looked for (a gap names a recent message)
+PARENT_READS = 2 * KEYFRAME_DEPTH  # parent records read, at most (a chain reaches a whole one sooner)
 
 
 def _texts(capture_json: str | None) -> Iterable[str]:
@@ -35,12 +44,35 @@ def _texts(capture_json: str | None) -> Iterable[str]:
     return (m["text"] for m in messages if isinstance(m, dict) and isinstance(m.get("text"), str))
 
 
+def _text_of(row: WireRecordRow, digest: str) -> str | None:
+    return next((text for text in _texts(row.capture_json) if sha256_text(text) == digest), None)
+
+
 async def _find(store: StoreContract, user_id: str, chat_id: str, job_ids: Iterable[str], digest: str) -> str | None:
+    seen: set[str] = set()
+    parents: list[str] = []  # of the records read, newest turn's first
     for job_id in job_ids:
         for row in await store.wire_records_of_job(user_id, chat_id, job_id):
-            for text in _texts(row.capture_json):
-                if sha256_text(text) == digest:
-                    return text
+            seen.add(row.record_id)
+            if (text := _text_of(row, digest)) is not None:
+                return text
+            if row.digest_parent is not None:
+                parents.append(row.digest_parent)
+    todo = list(reversed(parents))
+    for _ in range(PARENT_READS):
+        while todo and todo[-1] in seen:
+            todo.pop()
+        if not todo:
+            break
+        rid = todo.pop()
+        seen.add(rid)
+        row = await store.wire_record(user_id, chat_id, rid)
+        if row is None:
+            continue  # gone (never so while its child is kept): nothing behind it
+        if (text := _text_of(row, digest)) is not None:
+            return text
+        if row.digest_parent is not None:
+            todo.append(row.digest_parent)
     return None
 
 

@@ -78,13 +78,23 @@ class _Stored:
     depth: int  # records since the chain's last whole one
 
 
+def _captured(record: WireRecord, shared: int) -> str | None:
+    """The record's texts as stored (capture on): the request's after its first ``shared``,
+    which its parent's capture holds (runner.captured_texts follows the chain), and the reply's."""
+    if record.capture is None and record.reply_capture is None:
+        return None
+    return json.dumps({"request": [m.model_dump() for m in (record.capture or [])[shared:]],
+                       "reply": [m.model_dump() for m in record.reply_capture or []]})
+
+
 class LedgerSink:
     """:class:`proxy.WireSink` into the store: digests in ``record_json``, texts only with capture.
 
     A member's conversational request is stored as its difference from the member's previous
     one (``proxy.stored_digest``), which this sink remembers once the store has it: a record
     whose write failed is never a parent. A proxy that restarted remembers nothing and stores
-    the next record whole."""
+    the next record whole. Its captured texts, with capture on, are its difference's too: a
+    long chat's capture grew with the square of its turns as its digests did."""
 
     def __init__(self, store: StoreContract, attribution: Attribution) -> None:
         self.store, self.attribution = store, attribution
@@ -100,10 +110,6 @@ class LedgerSink:
             return  # closed meanwhile; nothing to attribute it to
         member = (record.chat_key, record.member_key or "")
         member_id = self.attribution.members.get(member)
-        captured = None
-        if record.capture is not None or record.reply_capture is not None:
-            captured = json.dumps({"request": [m.model_dump() for m in record.capture or []],
-                                   "reply": [m.model_dump() for m in record.reply_capture or []]})
         record_id = uuid.uuid4().hex
         chained = record.conversational and record.digest is not None and record.member_key is not None
         stored, depth = record, 0
@@ -115,11 +121,13 @@ class LedgerSink:
         row = WireRecordRow(
             record_id=record_id, user_id=chat.user_id, chat_id=chat.chat_id, member_id=member_id,
             job_id=record.job_id, ordinal=f"{record.started_at.isoformat()}|{record.seq:012d}",
-            record_json=stored.model_dump_json(exclude={"capture", "reply_capture"}), capture_json=captured,
+            record_json=stored.model_dump_json(exclude={"capture", "reply_capture"}),
+            capture_json=_captured(record, stored.digest_shared or 0),
             created_at=datetime.now(UTC).isoformat(), digest_parent=stored.digest_parent)
         if not await self.store.put_wire_record(row):  # its parent is gone (the chat was deleted): whole
             depth = 0
             await self.store.put_wire_record(dataclasses.replace(
-                row, record_json=record.model_dump_json(exclude={"capture", "reply_capture"}), digest_parent=None))
+                row, record_json=record.model_dump_json(exclude={"capture", "reply_capture"}),
+                capture_json=_captured(record, 0), digest_parent=None))
         if chained and record.chat_key in self.attribution.chats:
             self._last[member] = _Stored(record_id, record.digest or [], depth)  # never changed: not copied

@@ -267,6 +267,13 @@ class SQLiteWireLedger:
         return await self._run(lambda db: [_record(r) for r in db.execute(_RECORDS_OF_JOB,
                                                                           (user_id, chat_id, job_id))])
 
+    async def wire_record(self, user_id: str, chat_id: str, record_id: str) -> WireRecordRow | None:
+        def q(db: sqlite3.Connection) -> WireRecordRow | None:
+            row = db.execute(_RECORD, (user_id, chat_id, record_id)).fetchone()
+            return _record(row) if row is not None else None
+
+        return await self._run(q)
+
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
         return await self._run(lambda db: _sqlite_expectation(db, (user_id, chat_id, member_id)))
 
@@ -307,6 +314,13 @@ class PostgresWireLedger:
         async def q(conn: Any) -> list[WireRecordRow]:
             cur = await conn.execute(_pg(_RECORDS_OF_JOB), (user_id, chat_id, job_id))
             return [_record(r) for r in await cur.fetchall()]
+
+        return await self._tx(q)
+
+    async def wire_record(self, user_id: str, chat_id: str, record_id: str) -> WireRecordRow | None:
+        async def q(conn: Any) -> WireRecordRow | None:
+            row = await (await conn.execute(_pg(_RECORD), (user_id, chat_id, record_id))).fetchone()
+            return _record(row) if row is not None else None
 
         return await self._tx(q)
 

@@ -579,6 +579,8 @@ async def main(args: argparse.Namespace) -> None:
             overrides["proxy_process"] = "daemon"
         if args.resident_memory_mb:
             overrides["resident_memory_mb"] = args.resident_memory_mb
+        if args.capture:
+            overrides["wire_capture"] = True
         settings = daemon_settings(Path(tmp) / "home", url, image, **overrides)
         async with (running_daemon(settings, hooks=hooks, proxy_process=not args.proxy_in_daemon) as d,
                     anyio.create_task_group() as client_tg):
@@ -644,20 +646,22 @@ def row(runtime: str, r: dict[str, Any]) -> str:
 
 
 def ledger_bytes(db: Path, user: str, chat: str, members: list[str]) -> str:
-    """What the wire ledger keeps of the LIVE arm's members (SQLite): every request's record and
-    every turn's baseline hold the member's whole history's digest, so a member's bytes grow with
-    the square of its turns until its chat is deleted."""
+    """What the wire ledger keeps of the LIVE arm's members (SQLite): its records (digests), the
+    turns' baselines and, with ``--capture``, the captured texts. Every request carries the
+    member's whole history: stored whole, a member's bytes grew with the square of its turns
+    (proxy.stored_digest)."""
     if not db.exists():
         return "the wire ledger: not SQLite, not measured"
     marks = ",".join("?" * len(members))
     with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-        records, = con.execute(f"SELECT COALESCE(SUM(LENGTH(record_json)), 0) FROM wire_records WHERE user_id=? "
-                               f"AND chat_id=? AND member_id IN ({marks})", (user, chat, *members)).fetchone()
+        records, captured = con.execute(
+            f"SELECT COALESCE(SUM(LENGTH(record_json)), 0), COALESCE(SUM(LENGTH(capture_json)), 0) FROM wire_records"
+            f" WHERE user_id=? AND chat_id=? AND member_id IN ({marks})", (user, chat, *members)).fetchone()
         turns, baselines = con.execute(f"SELECT COUNT(*), COALESCE(SUM(LENGTH(baseline_json)), 0) FROM wire_turns "
                                        f"WHERE user_id=? AND chat_id=? AND member_id IN ({marks})",
                                        (user, chat, *members)).fetchone()
     return (f"the wire ledger after {turns} turns of {len(members)} member(s): records {records / 2**20:.1f} MiB, "
-            f"turn baselines {baselines / 2**20:.1f} MiB")
+            f"turn baselines {baselines / 2**20:.1f} MiB, captured texts {captured / 2**20:.1f} MiB")
 
 
 def by_history(live_d: list[float], live_b: list[float], instances: int) -> str:
@@ -785,6 +789,9 @@ if __name__ == "__main__":
                     help="turns each throughput chat takes, in both arms, before the measured rounds: the CLIs' "
                          "own warm-up (JIT) dominates a chat's first turns (pi: 23 ms of CPU a turn there, 4-6 "
                          "ms in steady state), so 3 or more measures the supervisor rather than the CLI")
+    ap.add_argument("--capture", action="store_true",
+                    help="CLOUD_AGENT_WIRE_CAPTURE=1: the ledger keeps the message texts too (the line on the "
+                         "wire ledger then shows what they take)")
     ap.add_argument("--resident-memory-mb", type=int, default=None,
                     help="the daemon's resident memory budget (CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the "
                          "host's). The bare arm has none: 16 Kilo residents measured over 768 MiB each exceed half "

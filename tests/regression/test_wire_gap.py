@@ -114,3 +114,38 @@ async def test_a_changed_history_is_a_gap_at_that_index_and_role(runtime: str, m
     assert [x for x in observed if changed(x)] == []
     with pytest.raises(AssertionError):
         assert_requests(t, expected, runtime)
+
+
+async def test_the_inspector_shows_a_gaps_texts_from_a_capture_stored_as_differences(
+        fx, sandbox_image, docker_client, tmp_path_factory) -> None:
+    """Capture on: each request's record kept only the texts after those it shares with the
+    member's previous one. A gap in the 12th turn at the first reply: that reply's text is held
+    only by the 1st and 2nd turns' records, beyond the inspector's 8 earlier turns; it follows
+    the 12th turn's record's parents to it (runner.captured_texts)."""
+    seam = Seam()
+    hooks = runner.turn.TestHooks(rewrite_model_request=seam)
+    async with regression_daemon(fx, sandbox_image, docker_client, tmp_path_factory.mktemp("gap-capture"),
+                                 hooks=hooks, wire_capture=True) as d:
+        m = Member(d, fx, "pi")
+        first = token("first")
+        await m.turn(first, "NEW")
+        for i in range(2, 12):
+            await m.turn(token(f"turn {i}"), "LIVE")
+        reply_1, last = default_reply([first]), token("last")
+        seam.trigger, seam.mode, seam.target = last, "edit", reply_1
+        t = await m.send(last)
+        assert seam.applied >= 1
+        wire = t.receipt["wire"]
+        assert wire["history"] == "gap" and wire["first_difference"] == {
+            "index": 1, "role": "assistant", "expected_digest": sha(reply_1),
+            "observed_digest": sha("EDITED BY THE TEST SEAM")}, wire
+        # the ledger: the 12th request stored as a difference (shares only the first message)
+        (row,) = await d.daemon.supervisor.store.wire_records_of_job(m.user_id, m.chat_id, t.receipt["job_id"])
+        captured = json.loads(row.capture_json or "{}")["request"]
+        assert (json.loads(row.record_json)["digest_shared"], len(captured)) == (1, 22)  # of 23 messages
+        assert captured[0] == {"role": "assistant", "text": "EDITED BY THE TEST SEAM"}
+        got = await d.client.get(f"{m.base}/inspect", params={"turn": 12})
+        assert got.status_code == 200, got.text
+        request = next(s for s in got.json()["steps"] if s["name"] == "request")
+        facts = {f["label"]: f["value"] for f in request["facts"]}
+        assert (facts["expected text"], facts["observed text"]) == (reply_1, "EDITED BY THE TEST SEAM"), facts

@@ -4,6 +4,8 @@ the digests the wire verdict names (runner/captured_texts.py)."""
 from __future__ import annotations
 
 import json
+import sqlite3
+from contextlib import closing
 from datetime import UTC, datetime
 
 import pytest
@@ -83,3 +85,41 @@ async def test_a_verdict_without_a_difference_reads_nothing(store) -> None:
     wire = WireVerdict.model_validate({"requests": 1, "side_requests": 0, "history": "complete"})
     await fill_captured_texts(NoReads(), "u1", "c1", "j2", wire, [receipt("j2")])  # type: ignore[arg-type]
     await fill_captured_texts(NoReads(), "u1", "c1", "j2", None, [])  # type: ignore[arg-type]
+
+
+def chain(turns: int) -> list[WireRecordRow]:
+    """A member's requests as the sink stores them (a difference from the previous one each):
+    turn i (1-based) asked q<i> after the replies r<i-1>, and captured only its new texts."""
+    out = []
+    for i in range(1, turns + 1):
+        tail = [("user", "q1")] if i == 1 else [("assistant", f"r{i - 1}"), ("user", f"q{i}")]
+        out.append(WireRecordRow(f"r{i}", "u1", "c1", "m1", f"j{i}", f"{i:04d}", "{}",
+                                 capture(tail, [("assistant", f"r{i}")]), T0.isoformat(),
+                                 digest_parent=f"r{i - 1}" if i > 1 else None))
+    return out
+
+
+async def test_a_text_only_an_old_parent_record_captured_is_found_along_the_chain(store) -> None:
+    # the 12th turn's request rewrote q2 (its record shares 2 entries with the 11th's, and
+    # captured the rest); q2 itself is captured only by the 2nd turn's record, which is more than
+    # EARLIER_TURNS turns back: the chain of parents reaches it
+    rows = chain(11)
+    rewritten = [("user", "q2 changed"), ("assistant", "r2"),
+                 *[m for i in range(3, 12) for m in (("user", f"q{i}"), ("assistant", f"r{i}"))], ("user", "q12")]
+    rows.append(WireRecordRow("r12", "u1", "c1", "m1", "j12", "0012", "{}", capture(rewritten, []),
+                              T0.isoformat(), digest_parent="r11"))
+    for row in rows:
+        assert await store.put_wire_record(row)
+    history = [receipt(f"j{i}") for i in range(1, 13)]
+    wire = WireVerdict.model_validate({"requests": 1, "side_requests": 0, "history": "gap", "first_difference": {
+        "index": 2, "role": "user", "expected_digest": sha256_text("q2"), "observed_digest": sha256_text("q2 changed")}})
+    await fill_captured_texts(store, "u1", "c1", "j12", wire, history)
+    assert wire.first_difference is not None
+    assert (wire.first_difference.expected_text, wire.first_difference.observed_text) == ("q2", "q2 changed")
+    # the parent that held it purged (older, so purged first): nothing is shown for it
+    with closing(sqlite3.connect(store.path)) as db, db:
+        db.execute("UPDATE wire_records SET capture_json=NULL WHERE record_id='r2'")
+    again = WireVerdict.model_validate(wire.model_dump(exclude={"first_difference": {"expected_text", "observed_text"}}))
+    await fill_captured_texts(store, "u1", "c1", "j12", again, history)
+    assert again.first_difference is not None
+    assert (again.first_difference.expected_text, again.first_difference.observed_text) == (None, "q2 changed")

@@ -118,6 +118,13 @@ async def test_turns_failures_and_a_summary(path: ModelPath) -> None:
     records = rows(path.store, "wire_records")
     assert all("capture" not in json.loads(r["record_json"]) for r in records)
     assert json.loads(records[0]["capture_json"]) == {"request": [{"role": "user", "text": "a"}], "reply": []}
+    # a record stored as a difference captured the texts after the ones it shares with its parent
+    # (whose capture holds those): the summary and the rewritten history share nothing, whole
+    captured = [[(m["role"], m["text"]) for m in json.loads(r["capture_json"])["request"]] for r in records]
+    assert captured == [[("user", "a")], [("assistant", "ra"), ("user", "b")], [("user", "c")],
+                        [("assistant", "rc"), ("user", "d")], [("user", "summarise")],
+                        [("user", "summary text"), ("user", "d")]]
+    assert [json.loads(r["record_json"]).get("digest_shared") for r in records] == [None, 1, 3, 4, None, None]
 
 
 async def test_a_verdict_never_compares_with_a_baseline_that_was_not_committed(path: ModelPath) -> None:

@@ -916,7 +916,8 @@ async def test_the_settle_view_reads_back_the_records_its_records_and_baselines_
         store: StoreContract) -> None:
     """Records stored as differences (digest_parent) and baselines as references to their
     record (baseline_record): the view carries every record they lead back to, transitively,
-    once each, up to the records the caller holds (``SettleQuery.known``), and only the chat's."""
+    once each, up to the records the caller holds (``SettleQuery.known``), and only the chat's;
+    and one record by its id."""
     from datetime import UTC, datetime
 
     from state.wire_ledger import SettleQuery, WireRecordRow, WireTurnRow
@@ -961,3 +962,9 @@ async def test_the_settle_view_reads_back_the_records_its_records_and_baselines_
     fork = await store.wire_settle_view("u", "f1", SettleQuery("c", "fork", ("m", 1)))
     assert (fork.fork_baseline, fork.fork_baseline_record) == ('{"record_id": "r2"}', "r2")
     assert sorted(r.record_id for r in fork.ancestors) == ["r0", "r1", "r2"]
+    # one record by its id, in its chat only (the inspector follows a capture's chain with it)
+    one = await store.wire_record("u", "c", "r1")
+    assert one is not None and (one.record_id, one.job_id, one.digest_parent, one.record_json) == (
+        "r1", "j1", "r0", '{"id": "r1"}')
+    assert await store.wire_record("u", "other", "r1") is None and await store.wire_record("u", "c", "x9") is None
+    assert await store.wire_record("u", "c", "nope") is None

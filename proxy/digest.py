@@ -138,21 +138,20 @@ def items_of(value: Any) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- per shape
 
 
-def _anthropic(body: dict[str, Any]) -> Iterator[TextMessage]:
-    for msg in items_of(body.get("messages")):
-        role, content = msg.get("role"), msg.get("content")
-        if role not in ("user", "assistant"):
-            continue
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else items_of(content)
-        pending: list[str] = []
-        for block in blocks:
-            kind = block.get("type")
-            if kind == "text" and isinstance(block.get("text"), str):
-                pending.append(block["text"])
-            elif kind in ("tool_use", "tool_result"):
-                yield from _flush(role, pending)
-                pending = []
-        yield from _flush(role, pending)
+def _anthropic(msg: dict[str, Any]) -> Iterator[TextMessage]:
+    role, content = msg.get("role"), msg.get("content")
+    if role not in ("user", "assistant"):
+        return
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else items_of(content)
+    pending: list[str] = []
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            pending.append(block["text"])
+        elif kind in ("tool_use", "tool_result"):
+            yield from _flush(role, pending)
+            pending = []
+    yield from _flush(role, pending)
 
 
 def _flush(role: str, pending: list[str]) -> Iterator[TextMessage]:
@@ -166,44 +165,55 @@ def _flush(role: str, pending: list[str]) -> Iterator[TextMessage]:
         yield TextMessage("assistant", "".join(pending))
 
 
-def _responses(body: dict[str, Any]) -> Iterator[TextMessage]:
-    value = body.get("input")
-    if isinstance(value, str):
-        yield TextMessage("user", value)
+def _responses(item: dict[str, Any]) -> Iterator[TextMessage]:
+    if item.get("type", "message") != "message":
         return
-    for item in items_of(value):
-        if item.get("type", "message") != "message":
-            continue
-        role, texts = item.get("role"), texts_of(item.get("content"))
-        if role == "user":
-            msg = _user_message(t for t in texts if not t.lstrip().startswith(CODEX_CONTEXT_PREFIXES))
-            if msg is not None:
-                yield msg
-        elif role == "assistant" and texts:
+    role, texts = item.get("role"), texts_of(item.get("content"))
+    if role == "user":
+        msg = _user_message(t for t in texts if not t.lstrip().startswith(CODEX_CONTEXT_PREFIXES))
+        if msg is not None:
+            yield msg
+    elif role == "assistant" and texts:
+        yield TextMessage("assistant", "".join(texts))
+
+
+def _chat(msg: dict[str, Any]) -> Iterator[TextMessage]:
+    role = msg.get("role")
+    if role == "user":
+        user = _user_message(texts_of(msg.get("content")))
+        if user is not None:
+            yield user
+    elif role == "assistant":
+        texts = [t for t in texts_of(msg.get("content")) if t]
+        if texts:
             yield TextMessage("assistant", "".join(texts))
 
 
-def _chat(body: dict[str, Any]) -> Iterator[TextMessage]:
-    for msg in items_of(body.get("messages")):
-        role = msg.get("role")
-        if role == "user":
-            user = _user_message(texts_of(msg.get("content")))
-            if user is not None:
-                yield user
-        elif role == "assistant":
-            texts = [t for t in texts_of(msg.get("content")) if t]
-            if texts:
-                yield TextMessage("assistant", "".join(texts))
+_ITEM_SHAPES = {"anthropic": _anthropic, "responses": _responses, "chat": _chat}
 
 
-_SHAPES = {"anthropic": _anthropic, "responses": _responses, "chat": _chat}
+def conversation_items(body: Any, api: str) -> list[dict[str, Any]] | str | None:
+    """The request's conversation as its shape carries it: its message objects in order, a
+    plain string (a Responses ``input``: one user message), or None (no such shape)."""
+    if not isinstance(body, dict) or api not in _ITEM_SHAPES:
+        return None
+    value = body.get("input" if api == "responses" else "messages")
+    if api == "responses" and isinstance(value, str):
+        return value
+    return items_of(value)
+
+
+def item_messages(item: dict[str, Any], api: str) -> list[TextMessage]:
+    """The text messages of one conversation item: each depends on its item alone."""
+    return list(_ITEM_SHAPES[api](item))
 
 
 def text_messages(body: Any, api: str) -> list[TextMessage]:
     """The user/assistant text messages of a parsed request body, in order."""
-    if not isinstance(body, dict) or api not in _SHAPES:
-        return []
-    return list(_SHAPES[api](body))
+    items = conversation_items(body, api)
+    if isinstance(items, str):
+        return [TextMessage("user", items)]
+    return [m for item in items or [] for m in _ITEM_SHAPES[api](item)]
 
 
 # ---------------------------------------------------------------- raw bodies

@@ -22,6 +22,7 @@ import anyio
 import structlog
 
 from .audit import RequestAudit, audit_request, reply_fields
+from .audit_memo import AuditMemo
 from .framing import NEED_DATA, FramingError, Head
 from .http1 import BodyTimeout, BodyTooLarge, ClientConnection, ClientGone, MalformedBody
 from .keys import KeySource, KeyUnavailable, is_credential_header, key_headers
@@ -58,6 +59,7 @@ class ProxyContext:
     turn_of: TurnLookup | None = None
     capture: bool = False
     rewrite: Rewrite | None = None
+    audit_memo: AuditMemo | None = None
     _seq: int = 0
 
     def next_seq(self) -> int:
@@ -234,11 +236,15 @@ class Exchange:
         return keep
 
     async def _audit(self, d: Draft, raw: bytes, encoding: str | None, route: Route) -> None:
+        member = (d.chat_key, d.member_key) if d.member_key is not None else None
+
         def audit() -> RequestAudit:
-            return audit_request(raw, encoding, route, capture=self.ctx.capture)
+            return audit_request(raw, encoding, route, capture=self.ctx.capture, memo=self.ctx.audit_memo,
+                                 member=member)
 
         # a long conversation is parsed in a worker thread; a short one costs less than the hop
         d.audit = await anyio.to_thread.run_sync(audit) if len(raw) > INLINE_AUDIT_BYTES else audit()
+        self.ctx.metrics.audited(d.audit.walked, d.audit.remembered)
 
     async def _respond(self, resp: UpstreamResponse, route: Route, key: str, d: Draft) -> bool:
         d.status = resp.status

@@ -25,6 +25,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
+from .audit_memo import AuditMemo
 from .config import ProxyConfig
 from .exchange import Exchange, ProxyContext, Rewrite, TurnLookup
 from .http1 import ClientConnection
@@ -86,7 +87,8 @@ class ProxyHost:
             connect_s=cfg.upstream_connect_timeout_s, read_s=cfg.upstream_read_timeout_s,
             write_s=cfg.upstream_write_timeout_s))
         self._ctx = ProxyContext(upstream=self._upstream, keys=self._keys, metrics=self.metrics, sink=self._sink,
-                                 turn_of=self._turn_of, capture=cfg.capture, rewrite=self._rewrite)
+                                 turn_of=self._turn_of, capture=cfg.capture, rewrite=self._rewrite,
+                                 audit_memo=AuditMemo())
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         return self
@@ -166,6 +168,8 @@ class ProxyHost:
                     return
                 sb.scope.cancel()
                 await sb.stopped.wait()
+                if self._ctx is not None and self._ctx.audit_memo is not None:  # its texts leave memory with it
+                    self._ctx.audit_memo.forget_chat(chat_key)
                 await anyio.to_thread.run_sync(_unlink_socket, sb.path)
         log.info("proxy.sandbox_closed", chat_key=chat_key)
 

@@ -22,6 +22,16 @@ class ProxyMetrics:
                                 ["reason"], registry=self.registry)
         self.bytes = Counter("cloud_agent_proxy_body_bytes", "Body bytes through the proxy",
                              ["direction"], registry=self.registry)
+        self.audited_messages = Counter(
+            "cloud_agent_proxy_audited_messages",
+            "Conversation messages of audited requests: walked, or remembered from the member's last request",
+            ["how"], registry=self.registry)
+
+    def audited(self, walked: int, remembered: int) -> None:
+        if walked:
+            self.audited_messages.labels(how="walked").inc(walked)
+        if remembered:
+            self.audited_messages.labels(how="remembered").inc(remembered)
 
 
 class VerdictMetrics:

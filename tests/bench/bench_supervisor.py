@@ -664,6 +664,26 @@ def ledger_bytes(db: Path, user: str, chat: str, members: list[str]) -> str:
             f"turn baselines {baselines / 2**20:.1f} MiB, captured texts {captured / 2**20:.1f} MiB")
 
 
+def own_by_history(rows: list[list[tuple[str, float]]]) -> str:
+    """The own phases' sum over the first and the last quarter of the LIVE turns (in order), and
+    the three phases whose medians grew the most between them: where a longer history costs."""
+    q = len(rows) // 4
+    if q < 2:
+        return "own phases by history: too few turns"
+    first, last = rows[:q], rows[-q:]
+
+    def med(part: list[list[tuple[str, float]]], name: str | None) -> float:
+        vals = [sum(ms for k, ms in row if not k.startswith(CLI_SPANS) and (name is None or k == name))
+                for row in part]
+        return statistics.median(vals)
+
+    names = {k for row in rows for k, _ in row if not k.startswith(CLI_SPANS)}
+    grew = sorted(((med(last, k) - med(first, k), k) for k in names), reverse=True)[:3]
+    return (f"own phases by history: p50 {med(first, None):.2f} ms over the first quarter of the turns, "
+            f"{med(last, None):.2f} ms over the last; grew most: "
+            + ", ".join(f"{k} {d:+.2f} ms" for d, k in grew))
+
+
 def by_history(live_d: list[float], live_b: list[float], instances: int) -> str:
     """LIVE added p50 over the first and the last quarter of the turn pairs: a member's history
     grows a turn at a time, and every request carries all of it (the proxy digests it, the
@@ -722,6 +742,7 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
             worst = sorted(((ms, k) for trace_row in r["phases"] for k, ms in trace_row if not k.startswith(CLI_SPANS)),
                            reverse=True)[:5]
             print(f"{rt}: its five longest own spans: " + ", ".join(f"{k} {ms:.1f} ms" for ms, k in worst))
+            print(f"{rt}: {own_by_history(r['phases'])}")
     if any(r.get("rest_phases") for r in results.values()):
         # where a RESTORED turn's time goes (its bare arm: engine start, gate, exec, resume, turn)
         print("\nRESTORED turn per-phase breakdown after a stop (median ms since the previous mark)")

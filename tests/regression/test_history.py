@@ -32,9 +32,11 @@ import pytest
 
 import runner.turn
 from deploy.loopback import Message, compare_history, cut, default_reply, fail, reject, user_texts
+from proxy.digest import conversation_items
 from tests.daemon_harness import RunningDaemon
 from tests.regression.conftest import print_report, regression_daemon
 from tests.regression.history_helpers import Member, TurnResult, token
+from tests.support.metrics import sample
 
 pytestmark = [pytest.mark.regression, pytest.mark.cli, pytest.mark.docker, pytest.mark.anyio]
 RUNTIMES = ["claude", "codex", "pi", "opencode", "kilo"]
@@ -83,6 +85,7 @@ async def test_live_followups(runtime: str, daemon: RunningDaemon, fx) -> None:
     because the number of user messages differs). No side request is made by any CLI."""
     m = Member(daemon, fx, runtime)
     same = "Which colour is the sky on a clear day?"
+    audited = await audited_messages(daemon)
     first = await m.turn(same, "NEW")
     marker = ANNOTATION[runtime]
     if marker is not None:
@@ -102,6 +105,21 @@ async def test_live_followups(runtime: str, daemon: RunningDaemon, fx) -> None:
         (1, None), (2, 1), (2, 3), (2, 5)], conversational
     assert [parent for _, parent, _ in conversational] == [None, *(rid for rid, _, _ in conversational[:-1])]
     assert [doc["digest_parent"] for _, _, doc in conversational] == [parent for _, parent, _ in conversational]
+    # and the proxy audited each follow-up's messages shared with the request before it from
+    # what it made of that request (proxy.audit_memo): at most its last two messages differ
+    # (Claude moves its cache marker, Kilo its environment block), every other one is remembered
+    sizes = [len(conversation_items(t.conversation[0].body, t.conversation[0].api) or []) for t in m.turns]
+    after = await audited_messages(daemon)
+    remembered = after["remembered"] - audited["remembered"]
+    assert remembered >= sum(n - 2 for n in sizes[:-1]) > 0, (remembered, sizes)
+    assert after["walked"] - audited["walked"] + remembered >= sum(sizes), (after, audited, sizes)
+
+
+async def audited_messages(daemon: RunningDaemon) -> dict[str, float]:
+    """The proxy's audited conversation messages so far, by how (relayed on the daemon's /metrics)."""
+    text = (await daemon.client.get("/metrics")).text
+    return {how: sample(text, "cloud_agent_proxy_audited_messages_total", how=how) or 0.0
+            for how in ("walked", "remembered")}
 
 
 # ---------------------------------------------------------------- 2. immediate close / restore

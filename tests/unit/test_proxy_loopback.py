@@ -18,6 +18,8 @@ import structlog
 from deploy.loopback import LoopbackFixture, expected_default_reply, fail, reject, stall
 from deploy.loopback.recorder import fingerprint
 from proxy import DigestEntry
+from telemetry.metrics import exposition
+from tests.support.metrics import sample
 from tests.support.proxy_harness import REAL_KEY, Jobs, ListSink, raw_exchange, running_proxy, uds_client
 
 pytestmark = pytest.mark.anyio
@@ -242,6 +244,31 @@ async def test_socket_is_for_uid_1000_and_comes_back_at_the_same_path(fx: Loopba
         (directory / "model.sock").write_text("not a socket")
         with pytest.raises(FileExistsError, match="not a socket"):
             await host.open_sandbox("chat-a", directory, user_id="u1")
+
+
+async def test_a_members_follow_up_is_audited_from_its_last_request_until_its_chat_closes(
+        fx: LoopbackFixture, tmp_path: Path) -> None:
+    """The host's audit memo (proxy/audit_memo.py) through real exchanges: the follow-up's
+    messages shared with the member's last request are counted remembered, the rest walked,
+    and closing the chat's socket gives its members' messages back."""
+    sink = ListSink()
+    first = [{"role": "user", "content": "hi chat"}]
+    follow = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    async with running_proxy(fx.base_url, tmp_path, sink=sink) as host:
+        path = await host.open_sandbox("chat-a", tmp_path / "a", user_id="u1")
+        async with uds_client(path) as client:
+            for messages in (first, follow):
+                reply = await client.post("/m/m1/v1/chat/completions", json=CHAT | {"messages": messages})
+                assert reply.status_code == 200
+        await host.flush("chat-a")
+        text = exposition(host.metrics.registry, "")[0].decode()
+        assert sample(text, "cloud_agent_proxy_audited_messages_total", how="walked") == 1 + 2
+        assert sample(text, "cloud_agent_proxy_audited_messages_total", how="remembered") == 1
+        assert [len(r.digest or []) for r in sink.records] == [1, 3]
+        memo = host._ctx.audit_memo  # noqa: SLF001 - what the host holds
+        assert memo is not None and len(memo) == 1
+        await host.close_sandbox("chat-a")
+        assert (len(memo), memo.bytes) == (0, 0)
 
 
 # ---------------------------------------------------------------- bad input

@@ -9,9 +9,9 @@ records, the expected one in that turn and the member's earlier turns (newest fi
 
 A request stored as a difference (proxy.stored_digest) captured only the texts after the ones
 it shares with its parent record, whose capture (or its parent's, back to the chain's whole
-record) holds the others: when the turns' own records do not hold a text, their parents are
-read, up to a chain's length. A parent whose capture was purged before its child's shows
-nothing for the texts only it held.
+record) holds the others: when the turns' own records do not hold a text, the records their
+parents lead back to are read, in one store read, up to two chains' length. A parent whose
+capture was purged before its child's shows nothing for the texts only it held.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from state.contract import StoreContract
 
 EARLIER_TURNS = 8  # how far back an expected text is looked for (a gap names a recent message)
-PARENT_READS = 2 * KEYFRAME_DEPTH  # parent records read, at most (a chain reaches a whole one sooner)
+PARENT_READS = 2 * KEYFRAME_DEPTH  # ancestor records read, at most (a chain reaches a whole one sooner)
 
 
 def _texts(capture_json: str | None) -> Iterable[str]:
@@ -58,21 +58,13 @@ async def _find(store: StoreContract, user_id: str, chat_id: str, job_ids: Itera
                 return text
             if row.digest_parent is not None:
                 parents.append(row.digest_parent)
-    todo = list(reversed(parents))
-    for _ in range(PARENT_READS):
-        while todo and todo[-1] in seen:
-            todo.pop()
-        if not todo:
-            break
-        rid = todo.pop()
-        seen.add(rid)
-        row = await store.wire_record(user_id, chat_id, rid)
-        if row is None:
-            continue  # gone (never so while its child is kept): nothing behind it
-        if (text := _text_of(row, digest)) is not None:
-            return text
-        if row.digest_parent is not None:
-            todo.append(row.digest_parent)
+    # every chain behind them in one read, nearest first from the newest turn's first record's
+    # parent, so the limit keeps the records a walk along them would have read
+    seeds = [p for p in parents if p not in seen]
+    if seeds:
+        for row in await store.wire_ancestors(user_id, chat_id, seeds, stop=seen, limit=PARENT_READS):
+            if (text := _text_of(row, digest)) is not None:
+                return text
     return None
 
 

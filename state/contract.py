@@ -20,7 +20,7 @@ the same migrations (``state.migrations``) and keep the same invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal, Protocol, runtime_checkable
@@ -198,7 +198,15 @@ class StoreContract(Protocol):
         ...
 
     async def wire_records_of_job(self, user_id: str, chat_id: str, job_id: str) -> list[WireRecordRow]: ...
-    async def wire_record(self, user_id: str, chat_id: str, record_id: str) -> WireRecordRow | None: ...
+
+    async def wire_ancestors(self, user_id: str, chat_id: str, seeds: list[str], *, stop: Collection[str] = (),
+                             limit: int) -> list[WireRecordRow]:
+        """The records ``seeds`` lead back to through digest_parent, the seeds included, never
+        past a record in ``stop`` (nor one of them), at most ``limit`` records, in one read:
+        nearest first, each seed's chain in turn from the seed back (to where it joins an earlier
+        one). A record the chat's ledger does not hold ends its chain."""
+        ...
+
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation: ...
     async def wire_settle_view(self, user_id: str, job_id: str, query: SettleQuery) -> WireSettleView: ...
     async def wire_baseline_at(self, user_id: str, chat_id: str, member_id: str, settled_index: int) -> str | None: ...

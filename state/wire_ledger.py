@@ -24,7 +24,7 @@ One SQL text serves both backends (``?`` placeholders; PostgreSQL gets ``%s``).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -135,21 +135,25 @@ class SettleQuery:
 
 
 _NO_EXPECTATION = WireExpectation(False, None, [])
-# The records ``seeds`` lead back to through digest_parent, transitively, never past one in
-# ``stop`` (PostgreSQL: one round trip; SQLite reads them one by one on its own thread)
+# StoreContract.wire_ancestors in one round trip: each seed's chain is walked with its ordinal;
+# a record reached from several seeds counts for the first (the order the SQLite walk reads
+# them in), so the limit keeps the same, nearest, records on both backends
 _PG_ANCESTORS = """
-WITH RECURSIVE chain(record_id, digest_parent, depth) AS (
-    SELECT record_id, digest_parent, 1 FROM wire_records
-     WHERE user_id = %(u)s AND chat_id = %(c)s AND record_id = ANY(%(seeds)s)
-  UNION
-    SELECT w.record_id, w.digest_parent, c.depth + 1 FROM chain c
+WITH RECURSIVE chain(n, depth, record_id, digest_parent) AS (
+    SELECT s.n, 1, w.record_id, w.digest_parent
+      FROM unnest(%(seeds)s::text[]) WITH ORDINALITY AS s(record_id, n)
+      JOIN wire_records w ON w.user_id = %(u)s AND w.chat_id = %(c)s AND w.record_id = s.record_id
+     WHERE NOT (s.record_id = ANY(%(stop)s::text[]))
+  UNION ALL
+    SELECT c.n, c.depth + 1, w.record_id, w.digest_parent FROM chain c
       JOIN wire_records w ON w.user_id = %(u)s AND w.chat_id = %(c)s AND w.record_id = c.digest_parent
-     WHERE NOT (c.digest_parent = ANY(%(stop)s)) AND c.depth < %(depth)s)
-SELECT * FROM wire_records
- WHERE user_id = %(u)s AND chat_id = %(c)s AND record_id IN (SELECT record_id FROM chain)
+     WHERE NOT (c.digest_parent = ANY(%(stop)s::text[])) AND c.depth < %(limit)s),
+nearest AS (SELECT DISTINCT ON (record_id) record_id, n, depth FROM chain ORDER BY record_id, n, depth)
+SELECT w.* FROM nearest f JOIN wire_records w ON w.record_id = f.record_id
+ ORDER BY f.n, f.depth LIMIT %(limit)s
 """
-# a bound on what one view reads back (SQLite: records; PostgreSQL: links of a chain), far above
-# what the proxy writes (a chain has at most proxy.stored_digest.KEYFRAME_DEPTH records)
+# a bound on the records one view reads back, far above what the proxy writes (a chain has at
+# most proxy.stored_digest.KEYFRAME_DEPTH records)
 MAX_ANCESTORS = 1024
 
 
@@ -173,6 +177,33 @@ def _seeds(records: list[WireRecordRow], seen: set[str], *refs: str | None) -> l
     """What a view's records and baselines refer to that the view does not hold yet."""
     wanted = [*(r.digest_parent for r in records), *refs]
     return [w for w in wanted if w is not None and w not in seen]
+
+
+def sqlite_ancestors(db: sqlite3.Connection, user_id: str, chat_id: str, seeds: Sequence[str],
+                     stop: Collection[str], limit: int) -> list[WireRecordRow]:
+    """``StoreContract.wire_ancestors`` on the store's thread (one read per record: SQLite's
+    reads are local): each seed's chain in turn, from the seed back."""
+    seen, out = set(stop), []
+    for seed in seeds:
+        rid: str | None = seed
+        while rid is not None and rid not in seen and len(out) < limit:
+            seen.add(rid)
+            row = db.execute(_RECORD, (user_id, chat_id, rid)).fetchone()
+            if row is None:
+                break  # gone: nothing behind it
+            out.append(_record(row))
+            rid = out[-1].digest_parent
+    return out
+
+
+async def postgres_ancestors(conn: Any, user_id: str, chat_id: str, seeds: Sequence[str],
+                             stop: Collection[str], limit: int) -> list[WireRecordRow]:
+    """``StoreContract.wire_ancestors`` in one round trip (none without seeds)."""
+    if not seeds or limit <= 0:
+        return []
+    cur = await conn.execute(_PG_ANCESTORS, {"u": user_id, "c": chat_id, "seeds": list(seeds),
+                                             "stop": sorted(stop), "limit": limit})
+    return [_record(r) for r in await cur.fetchall()]
 
 
 def sqlite_put_turn(db: sqlite3.Connection, turn: WireTurnRow) -> None:
@@ -220,16 +251,8 @@ def sqlite_settle_view(db: sqlite3.Connection, user_id: str, job_id: str, query:
         row = db.execute(_BASELINE_AT, (user_id, query.chat_id, *query.fork_source)).fetchone()
         fork, fork_record = (row[0], row[1]) if row else (None, None)
     seen = {*query.known, *(r.record_id for r in records)}
-    todo, ancestors = _seeds(records, seen, own.baseline_record, fork_record), []
-    while todo and len(ancestors) < MAX_ANCESTORS:
-        rid = todo.pop()
-        if rid in seen:
-            continue
-        seen.add(rid)
-        row = db.execute(_RECORD, (user_id, query.chat_id, rid)).fetchone()
-        if row is not None:
-            ancestors.append(_record(row))
-            todo += _seeds(ancestors[-1:], seen)
+    seeds = _seeds(records, seen, own.baseline_record, fork_record)
+    ancestors = sqlite_ancestors(db, user_id, query.chat_id, seeds, seen, MAX_ANCESTORS)
     return WireSettleView(records, own, fork, fork_record, ancestors)
 
 
@@ -244,11 +267,8 @@ async def postgres_settle_view(conn: Any, user_id: str, job_id: str, query: Sett
         row = await (await conn.execute(_pg(_BASELINE_AT), (user_id, query.chat_id, *query.fork_source))).fetchone()
         fork, fork_record = (row["baseline_json"], row["baseline_record"]) if row else (None, None)
     seen = {*query.known, *(r.record_id for r in records)}
-    seeds, ancestors = _seeds(records, seen, own.baseline_record, fork_record), []
-    if seeds:  # one round trip for every chain (a restarted daemon's first turn of a member)
-        cur = await conn.execute(_PG_ANCESTORS, {"u": user_id, "c": query.chat_id, "seeds": seeds,
-                                                 "stop": sorted(seen), "depth": MAX_ANCESTORS})
-        ancestors = [_record(r) for r in await cur.fetchall()]
+    seeds = _seeds(records, seen, own.baseline_record, fork_record)  # none in the usual turn: no round trip
+    ancestors = await postgres_ancestors(conn, user_id, query.chat_id, seeds, seen, MAX_ANCESTORS)
     return WireSettleView(records, own, fork, fork_record, ancestors)
 
 
@@ -267,12 +287,9 @@ class SQLiteWireLedger:
         return await self._run(lambda db: [_record(r) for r in db.execute(_RECORDS_OF_JOB,
                                                                           (user_id, chat_id, job_id))])
 
-    async def wire_record(self, user_id: str, chat_id: str, record_id: str) -> WireRecordRow | None:
-        def q(db: sqlite3.Connection) -> WireRecordRow | None:
-            row = db.execute(_RECORD, (user_id, chat_id, record_id)).fetchone()
-            return _record(row) if row is not None else None
-
-        return await self._run(q)
+    async def wire_ancestors(self, user_id: str, chat_id: str, seeds: list[str], *, stop: Collection[str] = (),
+                             limit: int) -> list[WireRecordRow]:
+        return await self._run(lambda db: sqlite_ancestors(db, user_id, chat_id, seeds, stop, limit))
 
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
         return await self._run(lambda db: _sqlite_expectation(db, (user_id, chat_id, member_id)))
@@ -317,12 +334,9 @@ class PostgresWireLedger:
 
         return await self._tx(q)
 
-    async def wire_record(self, user_id: str, chat_id: str, record_id: str) -> WireRecordRow | None:
-        async def q(conn: Any) -> WireRecordRow | None:
-            row = await (await conn.execute(_pg(_RECORD), (user_id, chat_id, record_id))).fetchone()
-            return _record(row) if row is not None else None
-
-        return await self._tx(q)
+    async def wire_ancestors(self, user_id: str, chat_id: str, seeds: list[str], *, stop: Collection[str] = (),
+                             limit: int) -> list[WireRecordRow]:
+        return await self._tx(lambda conn: postgres_ancestors(conn, user_id, chat_id, seeds, stop, limit))
 
     async def wire_expectation(self, user_id: str, chat_id: str, member_id: str) -> WireExpectation:
         return await self._tx(lambda conn: _postgres_expectation(conn, (user_id, chat_id, member_id)))

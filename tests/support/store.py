@@ -46,3 +46,9 @@ def erase_locator(store: Any, user_id: str, chat_id: str, member_id: str) -> Non
     with _connect(store) as (db, p):
         db.execute(f"UPDATE members SET locator_id=NULL, locator_path=NULL WHERE user_id={p} AND chat_id={p}"
                    f" AND member_id={p}", (user_id, chat_id, member_id))
+
+
+def lose_wire_record(store: Any, record_id: str) -> None:
+    """Simulate a ledger that lost one record its children still refer to."""
+    with _connect(store) as (db, p):
+        db.execute(f"DELETE FROM wire_records WHERE record_id={p}", (record_id,))

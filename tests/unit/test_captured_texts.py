@@ -7,6 +7,7 @@ import json
 import sqlite3
 from contextlib import closing
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -111,11 +112,20 @@ async def test_a_text_only_an_old_parent_record_captured_is_found_along_the_chai
     for row in rows:
         assert await store.put_wire_record(row)
     history = [receipt(f"j{i}") for i in range(1, 13)]
+    reads: list[list[str]] = []
+    ancestors = store.wire_ancestors
+
+    async def counted(user_id: str, chat_id: str, seeds: list[str], **kw: Any) -> list[WireRecordRow]:
+        reads.append(seeds)
+        return await ancestors(user_id, chat_id, seeds, **kw)
+
+    store.wire_ancestors = counted  # type: ignore[method-assign]
     wire = WireVerdict.model_validate({"requests": 1, "side_requests": 0, "history": "gap", "first_difference": {
         "index": 2, "role": "user", "expected_digest": sha256_text("q2"), "observed_digest": sha256_text("q2 changed")}})
     await fill_captured_texts(store, "u1", "c1", "j12", wire, history)
     assert wire.first_difference is not None
     assert (wire.first_difference.expected_text, wire.first_difference.observed_text) == ("q2", "q2 changed")
+    assert reads == [["r3"]]  # one store read for the chain behind the turns read (j4..j12)
     # the parent that held it purged (older, so purged first): nothing is shown for it
     with closing(sqlite3.connect(store.path)) as db, db:
         db.execute("UPDATE wire_records SET capture_json=NULL WHERE record_id='r2'")

@@ -916,8 +916,7 @@ async def test_the_settle_view_reads_back_the_records_its_records_and_baselines_
         store: StoreContract) -> None:
     """Records stored as differences (digest_parent) and baselines as references to their
     record (baseline_record): the view carries every record they lead back to, transitively,
-    once each, up to the records the caller holds (``SettleQuery.known``), and only the chat's;
-    and one record by its id."""
+    once each, up to the records the caller holds (``SettleQuery.known``), and only the chat's."""
     from datetime import UTC, datetime
 
     from state.wire_ledger import SettleQuery, WireRecordRow, WireTurnRow
@@ -962,9 +961,41 @@ async def test_the_settle_view_reads_back_the_records_its_records_and_baselines_
     fork = await store.wire_settle_view("u", "f1", SettleQuery("c", "fork", ("m", 1)))
     assert (fork.fork_baseline, fork.fork_baseline_record) == ('{"record_id": "r2"}', "r2")
     assert sorted(r.record_id for r in fork.ancestors) == ["r0", "r1", "r2"]
-    # one record by its id, in its chat only (the inspector follows a capture's chain with it)
-    one = await store.wire_record("u", "c", "r1")
-    assert one is not None and (one.record_id, one.job_id, one.digest_parent, one.record_json) == (
-        "r1", "j1", "r0", '{"id": "r1"}')
-    assert await store.wire_record("u", "other", "r1") is None and await store.wire_record("u", "c", "x9") is None
-    assert await store.wire_record("u", "c", "nope") is None
+
+
+async def test_the_ancestors_of_records_are_read_in_one_call_nearest_first(store: StoreContract) -> None:
+    """``wire_ancestors``: what seeds lead back to through digest_parent, seeds included, in
+    their chat only, never past ``stop``, at most ``limit`` records (the nearest), each seed's
+    chain in turn; a record the ledger lost ends its chain (the inspector's capture search)."""
+    from datetime import UTC, datetime
+
+    from state.wire_ledger import WireRecordRow
+    from tests.support.store import lose_wire_record
+
+    at = datetime(2026, 12, 7, tzinfo=UTC).isoformat()
+    put: dict[str, WireRecordRow] = {}
+    for rid, parent, chat in [("a0", None, "c"), ("a1", "a0", "c"), ("a2", "a1", "c"), ("b0", None, "c"),
+                              ("b1", "b0", "c"), ("k1", "a1", "c"), ("o0", None, "other")]:
+        put[rid] = WireRecordRow(rid, "u", chat, "m", "j", rid, f'{{"id": "{rid}"}}', f"capture {rid}", at, parent)
+        assert await store.put_wire_record(put[rid])
+
+    async def ids(seeds: list[str], chat: str = "c", **kw: object) -> list[str]:
+        return [r.record_id for r in await store.wire_ancestors("u", chat, seeds, **kw)]  # type: ignore[arg-type]
+
+    chain = await store.wire_ancestors("u", "c", ["a2"], limit=10)
+    assert {r.record_id for r in chain} == {"a0", "a1", "a2"}
+    assert sorted(chain, key=lambda r: r.record_id) == [put["a0"], put["a1"], put["a2"]]  # every column
+    assert await ids(["a2"], limit=10) == ["a2", "a1", "a0"]  # nearest first
+    assert await ids([], limit=10) == [] and await ids(["a2"], chat="other", limit=10) == []
+    assert await ids(["a2"], stop={"a0"}, limit=10) == ["a2", "a1"]  # never past (nor at) a stop
+    assert await ids(["a2", "b1"], stop=["a1", "b1"], limit=10) == ["a2"]
+    assert await ids(["a2"], limit=2) == ["a2", "a1"]  # the limit keeps the nearest
+    # each seed's chain in turn, the later ones up to where they join an earlier one
+    assert await ids(["b1", "a2"], limit=10) == ["b1", "b0", "a2", "a1", "a0"]
+    assert await ids(["k1", "a2", "k1"], limit=10) == ["k1", "a1", "a0", "a2"]
+    assert await ids(["a2", "k1"], limit=4) == ["a2", "a1", "a0", "k1"]
+    assert await ids(["k1", "a2"], limit=3) == ["k1", "a1", "a0"]
+    # a record the chat's ledger does not hold (never stored, another chat's, lost) ends its chain
+    assert await ids(["nope", "o0", "b1"], limit=10) == ["b1", "b0"]
+    lose_wire_record(store, "a1")
+    assert await ids(["a2", "k1"], limit=10) == ["a2", "k1"]

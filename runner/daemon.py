@@ -14,12 +14,14 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from runner.api_errors import error, path_ids, validation_error
 from runner.bounds import BadBody, BodyTooLarge, parse_json, read_body
+from runner.durable_responses import DurableResponses
 from runner.forks import ForkError
 from runner.forwarding import FleetGate
 from runner.inspector_api import InspectorRoutes
@@ -281,4 +283,7 @@ class Api:
 
 
 def create_app(api: Api, lifespan: Any = None) -> Starlette:
-    return Starlette(routes=api.routes(), lifespan=lifespan)
+    # every response waits for the commits it may have read to be durable (a turn's is
+    # flushed after its COMMIT: runner.durable_responses)
+    return Starlette(routes=api.routes(), lifespan=lifespan,
+                     middleware=[Middleware(DurableResponses, store=api.sup.store)])

@@ -24,8 +24,8 @@ def open_store(url: str | None, sqlite_path: Path, *, sync_commits: bool = True)
     ``sync_commits=False`` (the model proxy service's wire records): a commit returns before it
     is on disk. Nothing a receipt depends on is lost that way: both backends keep one log
     written in commit order, and flushing it to a commit flushes everything before it too. A
-    turn's records are committed before its receipt, whose commit waits for the disk (SQLite
-    WAL with ``synchronous=FULL``, PostgreSQL ``synchronous_commit=on``). Only records no
+    turn's records are committed before its receipt, whose commit waits for the disk (SQLite:
+    the WAL's fsync by the store's flusher; PostgreSQL ``synchronous_commit=on``). Only records no
     durable commit followed can go with a power loss — those of a turn whose receipt went too."""
     if validate_store_url(url) is None:
         from state.store import Store

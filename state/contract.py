@@ -15,7 +15,10 @@ the same migrations (``state.migrations``) and keep the same invariants:
 * durability — a write returns committed and on durable storage, except one made with
   ``sync=False``: committed at once (seen by every later call, kept if the process dies),
   on durable storage once :meth:`StoreContract.sync` returns or a later synced commit is
-  made. SQLite defers such a commit's flush; PostgreSQL syncs every commit anyway.
+  made. SQLite defers such a commit's flush; PostgreSQL syncs every commit anyway. A write
+  may be seen by a concurrent call before it returns (SQLite's turn commit is flushed after
+  its COMMIT): what is read is shown outside the process only after :meth:`sync`
+  (runner.durable_responses).
 """
 
 from __future__ import annotations

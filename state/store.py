@@ -377,10 +377,16 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             self._finish(db, job, receipt_json, member)
 
         try:
-            # A synchronous commit, not a relaxed one the flusher then flushes: SQLite makes a
-            # synchronous commit visible to readers only once it is on disk, and a receipt must
-            # never be readable (GET of the job, the inspector) before it is durable.
-            await self._run(lambda db: self._tx(db, q))
+            # A relaxed commit the flusher flushes at once, and this returns once it is on disk.
+            # As a synchronous commit, the fsync held the store's thread (1.7 ms at p50, 5.6 at
+            # p90 under 16 chats' turns), and every other chat's claim and keeper record waited
+            # behind it; now the thread serves them while the disk works, and one flush covers
+            # every commit made meanwhile. Such a commit is visible to this process's readers
+            # before it is durable: no response of the daemon starts before it is
+            # (runner.durable_responses).
+            await self._run(lambda db: self._tx(db, q, sync=False, flush_now=True))
+            if self.sync_commits:
+                await self.sync()
         finally:
             self.sandbox_writes.wrote(user_id, query.chat_id)  # the sandbox's last use
 

@@ -33,6 +33,9 @@ class FakeStore:
     async def get_member(self, user_id: str, chat_id: str, member_id: str) -> Any:
         return object() if (user_id, chat_id, member_id) in self.members else None
 
+    async def sync(self) -> None:
+        pass  # every response waits for it (runner.durable_responses): nothing is pending here
+
 
 class FakeSupervisor:
     def __init__(self) -> None:

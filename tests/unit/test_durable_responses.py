@@ -1,0 +1,123 @@
+"""A turn's commit is flushed by the store's flusher after its COMMIT (state.store's
+``settle_job``), and no response of the daemon starts before it is on disk
+(runner.durable_responses).
+
+Real parts: the store's SQLite file and its flusher process, held with SIGSTOP so the flush
+stays pending for as long as the test looks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from runner.daemon import Api, create_app
+from state.records import JobState
+from state.store import Store
+from state.wire_ledger import SettleQuery
+from tests.unit.test_inspector_api import AUTH, TOKEN, receipt, supervisor
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def store(sqlite_store: Store) -> AsyncIterator[Store]:
+    await sqlite_store.open()
+    assert sqlite_store.flusher is not None and sqlite_store.flusher.pid is not None
+    yield sqlite_store
+
+
+@contextmanager
+def flusher_held(store: Store) -> Iterator[None]:
+    """The flusher process stopped: a flush asked for meanwhile is answered once it goes on."""
+    assert store.flusher is not None and store.flusher.pid is not None
+    os.kill(store.flusher.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(store.flusher.pid, signal.SIGCONT)
+
+
+async def claimed(store: Store, job_id: str) -> None:
+    assert (await store.claim_job(job_id, "u1", "c1", "m1", "d", "o", sync=False)).kind == "claimed"
+    await store.sync()
+
+
+async def settle(store: Store, job_id: str) -> None:
+    await store.settle_job("u1", job_id, SettleQuery("c1", None), lambda view: (receipt(job_id), None))
+
+
+async def until_done(store: Store, job_id: str) -> None:
+    """Until the store's thread serves a read that sees the job's receipt."""
+    while (job := await store.get_job("u1", job_id)) is None or job.state != JobState.DONE:
+        await anyio.sleep(0.005)
+
+
+async def test_a_turns_commit_frees_the_stores_thread_and_returns_once_flushed(store: Store) -> None:
+    """The COMMIT does not fsync on the store's thread: another call is served while the flush
+    is pending, and the commit returns only once the flusher answered. (A synchronous commit
+    fsyncs by itself: it returns while the flusher is stopped.)"""
+    await claimed(store, "j1")
+    assert store.flusher is not None
+    flushes = store.flusher.flushes
+    returned = anyio.Event()
+
+    async def settling() -> None:
+        await settle(store, "j1")
+        returned.set()
+
+    async with anyio.create_task_group() as tg:
+        with flusher_held(store):
+            tg.start_soon(settling)
+            with anyio.fail_after(10):
+                await until_done(store, "j1")  # committed, visible, and the thread is free
+            assert not returned.is_set()
+            assert store.flusher.flushes == flushes  # asked for, not answered
+        with anyio.fail_after(10):
+            await returned.wait()
+    assert store.flusher.flushes == flushes + 1
+
+
+async def test_no_response_starts_before_the_commits_it_may_show_are_on_disk(store: Store) -> None:
+    """The inspector reads a receipt committed but not yet flushed: its answer waits for the
+    flush (without the middleware it goes at once, receipt and all)."""
+    await claimed(store, "j1")
+    api = Api(supervisor(store), SecretStr(TOKEN), max_message_bytes=1000)
+    syncing = anyio.Event()
+    real_sync = store.sync
+
+    async def spied_sync() -> None:
+        syncing.set()
+        await real_sync()
+
+    answer: list[Any] = []
+    async with (httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(api)), base_url="http://daemon") as c,
+                anyio.create_task_group() as tg):
+
+        async def get_turns() -> None:
+            answer.append(await c.get("/v1/users/u1/chats/c1/turns", headers=AUTH))
+
+        with flusher_held(store):
+            tg.start_soon(settle, store, "j1")
+            with anyio.fail_after(10):
+                await until_done(store, "j1")
+            store.sync = spied_sync  # type: ignore[method-assign]
+            tg.start_soon(get_turns)
+            with anyio.move_on_after(2):
+                await syncing.wait()  # the handler read the receipt; its response is starting
+            await anyio.sleep(0.2)  # long enough for an answer that did not wait to arrive
+            assert answer == [] and syncing.is_set()
+        with anyio.fail_after(10):
+            while not answer:
+                await anyio.sleep(0.005)
+    assert answer[0].status_code == 200
+    turns = answer[0].json()["turns"]
+    assert [(t["job_id"], t["state"], t["receipt"]["outcome"]) for t in turns] == [("j1", "done", "succeeded")]

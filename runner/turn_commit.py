@@ -55,7 +55,10 @@ async def commit_turn(store: StoreContract, model_path: ModelPath, ctx: TurnCont
         )
 
     with anyio.CancelScope(shield=True):
-        await store.settle_job(receipt.user_id, receipt.job_id, query, decide)
+        # Returns once committed, its flush under way: the receipt is framed meanwhile, and the
+        # response that carries it ends only once it is on disk (runner.durable_responses). The
+        # member's next turn is on disk after it too: its claim's flush covers this commit.
+        await store.settle_job(receipt.user_id, receipt.job_id, query, decide, sync=False)
     committed = decided[-1]  # the last attempt's (an unacknowledged commit stands)
     if committed.wire is not None:
         model_path.count_verdict(committed.runtime, committed.wire)

@@ -350,9 +350,11 @@ class PostgresStore(PostgresFleet, PostgresWireLedger, PostgresChatDeletion, Pos
             self.sandbox_writes.wrote_some()  # the job's chat's sandbox: its last use
 
     async def settle_job(self, user_id: str, job_id: str, query: SettleQuery,
-                         decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]]) -> None:
+                         decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]], *,
+                         sync: bool = True) -> None:
         """:meth:`finish_job` with the receipt decided inside the same transaction, from the
-        ledger view its wire verdict reads."""
+        ledger view its wire verdict reads (``sync=False`` too: the server answers a commit
+        once it is durable)."""
 
         async def decided(conn: Conn) -> tuple[str, MemberOutcome | None]:
             return decide(await postgres_settle_view(conn, user_id, job_id, query))

@@ -367,9 +367,12 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             self.sandbox_writes.wrote_some()  # the job's chat's sandbox: its last use
 
     async def settle_job(self, user_id: str, job_id: str, query: SettleQuery,
-                         decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]]) -> None:
+                         decide: Callable[[WireSettleView], tuple[str, MemberOutcome | None]], *,
+                         sync: bool = True) -> None:
         """:meth:`finish_job` with the receipt decided inside the same transaction, from the
-        ledger view its wire verdict reads (``decide`` runs on the store's thread)."""
+        ledger view its wire verdict reads (``decide`` runs on the store's thread).
+        ``sync=False``: returns once committed, its flush under way; on disk once :meth:`sync`
+        returns (a turn's commit: the receipt is framed meanwhile)."""
 
         def q(db: sqlite3.Connection) -> None:
             job = self._running_job(db, user_id, job_id)
@@ -377,15 +380,14 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             self._finish(db, job, receipt_json, member)
 
         try:
-            # A relaxed commit the flusher flushes at once, and this returns once it is on disk.
-            # As a synchronous commit, the fsync held the store's thread (1.7 ms at p50, 5.6 at
-            # p90 under 16 chats' turns), and every other chat's claim and keeper record waited
-            # behind it; now the thread serves them while the disk works, and one flush covers
-            # every commit made meanwhile. Such a commit is visible to this process's readers
-            # before it is durable: no response of the daemon starts before it is
-            # (runner.durable_responses).
+            # A relaxed commit the flusher flushes at once. As a synchronous commit, the fsync
+            # held the store's thread (1.7 ms at p50, 5.6 at p90 under 16 chats' turns), and
+            # every other chat's claim and keeper record waited behind it; now the thread serves
+            # them while the disk works, and one flush covers every commit made meanwhile. Such
+            # a commit is visible to this process's readers before it is durable: no response
+            # of the daemon starts or ends before it is (runner.durable_responses).
             await self._run(lambda db: self._tx(db, q, sync=False, flush_now=True))
-            if self.sync_commits:
+            if sync and self.sync_commits:
                 await self.sync()
         finally:
             self.sandbox_writes.wrote(user_id, query.chat_id)  # the sandbox's last use

@@ -1,5 +1,5 @@
 """A turn's commit is flushed by the store's flusher after its COMMIT (state.store's
-``settle_job``), and no response of the daemon starts before it is on disk
+``settle_job``), and no response of the daemon starts or ends before it is on disk
 (runner.durable_responses).
 
 Real parts: the store's SQLite file and its flusher process, held with SIGSTOP so the flush
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,8 +18,17 @@ import anyio
 import httpx
 import pytest
 from pydantic import SecretStr
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Message
 
 from runner.daemon import Api, create_app
+from runner.durable_responses import DurableResponses
+from runner.job_response import JobResponse
+from runner.job_stream import JobStream, ndjson_line
 from state.records import JobState
 from state.store import Store
 from state.wire_ledger import SettleQuery
@@ -121,3 +130,51 @@ async def test_no_response_starts_before_the_commits_it_may_show_are_on_disk(sto
     assert answer[0].status_code == 200
     turns = answer[0].json()["turns"]
     assert [(t["job_id"], t["state"], t["receipt"]["outcome"]) for t in turns] == [("j1", "done", "succeeded")]
+
+
+async def test_a_turns_stream_ends_with_its_receipt_only_once_the_commit_is_on_disk(store: Store) -> None:
+    """The turn's commit returns before its flush (``sync=False``: the receipt is framed
+    meanwhile); the job stream's events go out at once, its last line only once the flush
+    answered (without the wait at the body's end: at once)."""
+    await claimed(store, "j1")
+    stream = JobStream(1 << 20)
+
+    async def job(request: Request) -> Response:
+        return JobResponse(stream)
+
+    app = Starlette(routes=[Route("/job", job)], middleware=[Middleware(DurableResponses, store=store)])
+    sent: list[Message] = []
+    scope = {"type": "http", "http_version": "1.1", "method": "GET", "path": "/job", "raw_path": b"/job",
+             "root_path": "", "scheme": "http", "query_string": b"", "headers": [], "server": ("daemon", 80),
+             "client": ("127.0.0.1", 1)}
+
+    async def receive() -> Message:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    def bodies() -> list[tuple[bytes, bool]]:
+        return [(m["body"], m.get("more_body", False)) for m in sent if m["type"] == "http.response.body"]
+
+    async def until(check: Callable[[], bool]) -> None:
+        with anyio.fail_after(10):
+            while not check():
+                await anyio.sleep(0.005)
+
+    event, last = {"type": "event", "n": 1}, {"type": "receipt", "job_id": "j1"}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(app, scope, receive, send)
+        stream.emit(event)
+        await until(lambda: bodies() == [(ndjson_line(event), True)])
+        with flusher_held(store):
+            with anyio.fail_after(10):  # returns with its flush pending
+                await store.settle_job("u1", "j1", SettleQuery("c1", None), lambda view: (receipt("j1"), None),
+                                       sync=False)
+            assert (await store.get_job("u1", "j1")).state == JobState.DONE
+            stream.finish(last)
+            await anyio.sleep(0.2)  # long enough for a last line that did not wait to go out
+            assert bodies() == [(ndjson_line(event), True)]
+        await until(lambda: len(bodies()) == 2)
+    assert bodies() == [(ndjson_line(event), True), (ndjson_line(last), False)]

@@ -720,9 +720,9 @@ async def test_a_commit_judged_twice_counts_its_verdict_once(rig: Rig, monkeypat
     registry = rig.runner.model_path.verdict_metrics.registry
     settle_job = rig.store.settle_job
 
-    async def retrying(user_id, job_id, query, decide):
+    async def retrying(user_id, job_id, query, decide, *, sync=True):
         decide(await rig.store.wire_settle_view(user_id, job_id, query))  # rolled back
-        await settle_job(user_id, job_id, query, decide)
+        await settle_job(user_id, job_id, query, decide, sync=sync)
 
     monkeypatch.setattr(rig.store, "settle_job", retrying)
     first = await rig.run("one")

@@ -75,6 +75,7 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         self._wal_paths = [f"{path}-wal", str(path)]  # what a flush fsyncs: the first that exists
         # relaxed commits a caller flushes later (a claim): fsynced by a process of its own
         self.flusher = WalFlusher(self._wal_paths) if sync_commits else None
+        self._thread_flushed = 0  # relaxed commits a thread's fsync covered once the flusher was gone
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             # FULL: a committed turn survives power loss too. NORMAL (the proxy's records): the
@@ -131,15 +132,22 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         """Every commit made so far is on disk when this returns (those made with ``sync=False``
         included): the WAL file's fsync, by the flusher's process (state.wal_flusher), or with
         none on a worker thread of its own, so the connection's thread serves reads meanwhile."""
+        made = None
         if self.flusher is not None:
             try:
                 await self.flusher.wait()
                 return
             except FlusherGone:
-                pass  # flushed here instead (``flusher.gone`` says why)
+                # flushed here instead (``flusher.gone`` says why); every response of the
+                # daemon asks (runner.durable_responses), so only when a relaxed commit came since
+                made = self.flusher.made
+                if made <= self._thread_flushed:
+                    return
             except FlushFailed as exc:
                 raise StoreUnavailable(f"a commit did not reach the disk: {exc}") from exc
         await anyio.to_thread.run_sync(fsync_first_of, self._wal_paths)  # the flusher's own fsync
+        if made is not None:
+            self._thread_flushed = max(self._thread_flushed, made)
 
     def close(self) -> None:
         if self.flusher is not None:

@@ -67,6 +67,12 @@ class WalFlusher:
 
     # -- either thread ------------------------------------------------------------------------
 
+    @property
+    def made(self) -> int:
+        """Relaxed commits counted so far."""
+        with self._lock:
+            return self._made
+
     def start(self) -> None:
         """Start the process now (else at the first flush asked for)."""
         with self._lock:

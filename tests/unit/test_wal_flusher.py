@@ -12,9 +12,11 @@ from pathlib import Path
 import anyio
 import pytest
 
+import state.store
 from state.contract import StoreUnavailable
 from state.store import Store
-from state.wal_flusher import FlushFailed, FlusherGone, WalFlusher
+from state.wal_flush_child import flush as fsync_first_of
+from state.wal_flusher import FlusherGone, FlushFailed, WalFlusher
 
 pytestmark = pytest.mark.anyio
 
@@ -64,10 +66,14 @@ async def test_the_flusher_inherits_no_environment_and_ends_with_the_store(tmp_p
     assert not Path(f"/proc/{pid}").exists()  # ended and reaped
 
 
-async def test_a_flusher_that_ended_leaves_the_flush_to_a_thread(sqlite_store: Store) -> None:
+async def test_a_flusher_that_ended_leaves_the_flush_to_a_thread(sqlite_store: Store, monkeypatch) -> None:
+    """Each relaxed commit is then flushed on a thread, once: a sync with nothing new since
+    fsyncs nothing (every response of the daemon asks, runner.durable_responses)."""
     store = sqlite_store
     await store.open()
     assert store.flusher is not None and store.flusher.pid is not None
+    fsyncs: list[list[str]] = []
+    monkeypatch.setattr(state.store, "fsync_first_of", lambda paths: (fsyncs.append(paths), fsync_first_of(paths)))
     pid = store.flusher.pid
     os.kill(pid, signal.SIGKILL)
     while Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":  # dead, its socket closed
@@ -75,8 +81,13 @@ async def test_a_flusher_that_ended_leaves_the_flush_to_a_thread(sqlite_store: S
     await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
     await store.sync()  # flushed on a thread instead: it returns
     assert store.flusher.gone is not None and store.flusher.gone.startswith("send failed: BrokenPipeError")
+    assert len(fsyncs) == 1
+    await store.sync()
+    await store.sync()
+    assert len(fsyncs) == 1  # nothing committed since
     await store.claim_job("j2", "u", "c", "m", "d", "o", sync=False)
     await store.sync()
+    assert len(fsyncs) == 2
     with pytest.raises(FlusherGone):
         await store.flusher.wait()
 

@@ -9,8 +9,9 @@ SPEC or an issue, not by an implementation choice:
 
 * the job API: one HTTP exchange between the client's process and the daemon (SPEC 3);
 * the store: the job fence's claim (SPEC 8: a job id never runs the CLI twice, across a crash
-  too) and the receipt's commit, each a durable transaction (SQLite WAL ``synchronous=FULL``),
-  on the store's worker thread;
+  too) and the receipt's commit, each a durable transaction on the store's worker thread (this
+  bench times the WAL's ``synchronous=FULL`` commit; since stop 51 the daemon's claim and commit
+  are relaxed ones whose fsync the store's flusher process makes: bench_store_commits.py);
 * the model proxy's control channel: the proxy learns whose requests are the job's before the
   message reaches the CLI, and is flushed before the verdict (SPEC 12, issue 12's proxy
   service, a process of its own so that sandboxes keep their model socket across daemon

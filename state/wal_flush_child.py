@@ -4,7 +4,9 @@ Its standard input is one end of a socket pair. Each byte received asks for one 
 first of the given files that exists is opened afresh and fsynced (the WAL, else the
 database: with no WAL file every commit was checkpointed, and the checkpoint synced it), then
 one byte answers — ``k`` when it is on disk, ``e`` when the fsync failed (the reason goes to
-standard error). End of input ends the process.
+standard error). End of input ends the process, and so does a reset: a store that closes with
+an answer it did not read resets the link (a turn's commit no longer waits for its flush, so
+one may be in flight when the store closes).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def flush(paths: list[str]) -> None:
 def main(paths: list[str]) -> None:
     link = socket.socket(fileno=0)
     while True:
-        asked = link.recv(64)
+        try:
+            asked = link.recv(64)
+        except ConnectionResetError:
+            return
         if not asked:
             return
         try:
@@ -41,7 +46,10 @@ def main(paths: list[str]) -> None:
         except OSError as exc:
             print(f"wal flush failed: {exc!r}", file=sys.stderr, flush=True)
             answer = b"e"
-        link.sendall(answer * len(asked))
+        try:
+            link.sendall(answer * len(asked))
+        except (BrokenPipeError, ConnectionResetError):
+            return
 
 
 if __name__ == "__main__":

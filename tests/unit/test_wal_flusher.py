@@ -107,3 +107,25 @@ async def test_a_failed_fsync_fails_the_wait_and_the_store_says_it_is_unavailabl
     await store.claim_job("j1", "u", "c", "m", "d", "o", sync=False)
     with pytest.raises(StoreUnavailable, match="did not reach the disk"):
         await store.sync()
+
+
+def test_the_flusher_ends_quietly_when_the_store_closes_with_an_answer_unread(tmp_path: Path) -> None:
+    """Closing a socket with unread bytes resets it: the child's next read then fails with
+    ECONNRESET, which ends it like the end of its input (it printed a traceback and exited 1)."""
+    import select
+    import socket
+    import subprocess
+    import sys
+
+    from state.wal_flusher import CHILD
+
+    (tmp_path / "f").write_bytes(b"x")
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-I", "-S", CHILD, str(tmp_path / "f")], stdin=child,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child.close()
+    parent.send(b"f")
+    assert select.select([parent], [], [], 10)[0] == [parent]  # answered, and not read
+    parent.close()
+    _, err = proc.communicate(timeout=10)
+    assert (proc.returncode, err) == (0, b"")

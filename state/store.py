@@ -161,7 +161,14 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
             await anyio.to_thread.run_sync(self.flusher.start)  # a fork and exec: off the loop
 
     async def aclose(self) -> None:
-        self.close()
+        """A turn's commit may still be on its way to the disk (``settle_job(sync=False)``): it
+        gets there before the store closes."""
+        try:
+            await self.sync()
+        except StoreUnavailable:
+            pass  # nothing more can reach the disk: closed all the same
+        finally:
+            self.close()
 
     def bind_lease(self, lease: HostLease | None) -> None:
         """Claims and commits from now on require this lease to be live (the host fence)."""

@@ -178,3 +178,24 @@ async def test_a_turns_stream_ends_with_its_receipt_only_once_the_commit_is_on_d
             assert bodies() == [(ndjson_line(event), True)]
         await until(lambda: len(bodies()) == 2)
     assert bodies() == [(ndjson_line(event), True), (ndjson_line(last), False)]
+
+
+async def test_a_store_closes_once_a_turns_commit_still_in_flight_is_on_disk(store: Store) -> None:
+    await claimed(store, "j1")
+    assert store.flusher is not None
+    flushes = store.flusher.flushes
+    closed = anyio.Event()
+
+    async def closing() -> None:
+        await store.aclose()
+        closed.set()
+
+    async with anyio.create_task_group() as tg:
+        with flusher_held(store):
+            await store.settle_job("u1", "j1", SettleQuery("c1", None), lambda view: (receipt("j1"), None), sync=False)
+            tg.start_soon(closing)
+            await anyio.sleep(0.2)  # long enough for a close that did not wait
+            assert not closed.is_set()
+        with anyio.fail_after(10):
+            await closed.wait()
+    assert store.flusher.flushes == flushes + 1

@@ -168,6 +168,10 @@ class Supervisor:
                     self.runner.detaching = True
                     await self.pool.detach_all()
                     await self._drain_jobs()
+                    try:  # a turn whose reader left may have its commit still on its way to the disk
+                        await self.store.sync()
+                    except StoreUnavailable as exc:
+                        log.warning("store.unsynced_at_shutdown", error=str(exc))
                 tg.cancel_scope.cancel()
         self._tg = None
 

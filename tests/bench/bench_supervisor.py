@@ -41,7 +41,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import fields
 from pathlib import Path
@@ -268,9 +268,58 @@ def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
             + [("client_got_receipt", ms - (trace.marks[-1][1] - t0) / 1e6)])
 
 
+async def mixed_window(d: Any, job: Callable[..., dict[str, Any]], conc: list[str], bares: list[Bare], runtime: str,
+                       warm_turns: int, seconds: float, failures: list[str]) -> tuple[int, int]:
+    """Half the chats through the daemon and the other half's bare sessions, all at once for
+    ``seconds``: the turns each arm completed in the same window. The throughput run's arms run
+    one after the other, and this host's speed moves between them (the same tree's ratio moved
+    from 0.63 to 1.07 in one afternoon); here both arms share every moment, and compete."""
+    half = len(conc) // 2
+    through_daemon = conc[:half]
+    bare_half = [b for b in bares if b.chat not in through_daemon][:half]
+
+    async def warm(c: str) -> None:  # its resident was retired for the bare arm: launched again
+        for k in range(warm_turns):
+            await timed_job(d, job(f"mixed warm {k}", c=c))
+
+    async with anyio.create_task_group() as tg:
+        for c in through_daemon:
+            tg.start_soon(warm, c)
+    await anyio.sleep(SETTLE_S)
+    done = {"daemon": 0, "bare": 0}
+    deadline = time.perf_counter() + seconds
+
+    async def daemon_chat(c: str) -> None:
+        k = 0
+        while time.perf_counter() < deadline:
+            _, r, _, _ = await timed_job(d, job(f"mixed {k}", c=c))
+            k += 1
+            if not r or r["outcome"] != "succeeded" or r["context_status"] != "LIVE":
+                failures.append(f"mixed {r and r.get('context_status')} {r and r.get('reason')}")
+                continue
+            done["daemon"] += 1
+
+    async def bare_chat(b: Bare) -> None:
+        k = 0
+        while time.perf_counter() < deadline:
+            await b.turn(f"mixed {k}")
+            k += 1
+            done["bare"] += 1
+
+    async with anyio.create_task_group() as tg:
+        for c in through_daemon:
+            tg.start_soon(daemon_chat, c)
+        for b in bare_half:
+            tg.start_soon(bare_chat, b)
+    print(f"{runtime}: {half} chats through the daemon and {len(bare_half)} bare, at once for {seconds:g} s: "
+          f"{done['daemon']} and {done['bare']} turns, ratio {done['daemon'] / max(1, done['bare']):.3f}", flush=True)
+    return done["daemon"], done["bare"]
+
+
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
                         traces: dict[str, Any], keeper_arm: bool = False, restored: int = 3,
-                        warm_turns: int = 1, quiet_s: float = 0.0, instances: int = 1) -> dict[str, Any]:
+                        warm_turns: int = 1, quiet_s: float = 0.0, instances: int = 1,
+                        mixed_s: float = 0.0) -> dict[str, Any]:
     sup = d.daemon.supervisor
     user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
 
@@ -494,6 +543,8 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         print(f"{runtime}: {len(failures)} failures: {sorted(set(failures))}; residents retired for the memory "
               f"budget so far, by cause: {budget_retirements(sup) or 'none'}", flush=True)
     out["load"]["throughput"] = load()
+    if mixed_s:
+        out["tp_mixed"] = await mixed_window(d, job, conc, bares, runtime, warm_turns, mixed_s, failures)
     out["failures"] = failures
     out["tp_phases"], out["tp_lat_d"], out["tp_lat_b"] = tp_rows, tp_lat_d, tp_lat_b
     for b in bares:
@@ -595,7 +646,7 @@ async def main(args: argparse.Namespace) -> None:
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
                                                            traces, keeper_arm=args.keeper_arm, restored=args.restored,
                                                            warm_turns=args.warm_turns, quiet_s=args.quiet_s,
-                                                           instances=args.instances)
+                                                           instances=args.instances, mixed_s=args.mixed_s)
                     # printed as each CLI finishes: a run cut short still leaves its figures
                     print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
                     print_phases({runtime: results[runtime]})
@@ -806,6 +857,9 @@ if __name__ == "__main__":
                     help="CLI processes per LIVE arm (daemon members m1..mK, bare sessions bare1..bareK in the "
                          "same container), taken in turn: two OpenCode or Kilo processes differ by ~10 ms of "
                          "their own work a turn, which one process per arm counts as the supervisor's")
+    ap.add_argument("--mixed-s", type=float, default=0.0,
+                    help="after the throughput run: half the chats through the daemon and half bare, at once for "
+                         "this long; the turns each arm completed in the same window")
     ap.add_argument("--warm-turns", type=int, default=1,
                     help="turns each throughput chat takes, in both arms, before the measured rounds: the CLIs' "
                          "own warm-up (JIT) dominates a chat's first turns (pi: 23 ms of CPU a turn there, 4-6 "

@@ -199,3 +199,56 @@ async def test_a_store_closes_once_a_turns_commit_still_in_flight_is_on_disk(sto
         with anyio.fail_after(10):
             await closed.wait()
     assert store.flusher.flushes == flushes + 1
+
+
+class _NoImageEngine:
+    """Enough engine for a supervisor that runs no turn."""
+
+    async def image(self, ref: str) -> Any:
+        raise AssertionError("no turn runs here")
+
+    async def list_labelled(self, label: str) -> list[Any]:
+        return []
+
+
+async def test_the_supervisors_shutdown_waits_for_a_commit_still_on_its_way_to_the_disk(tmp_path) -> None:
+    """A turn whose reader left has no response to wait for its commit's flush: the shutdown
+    does (without: it ends with the flush still unanswered)."""
+    from runner.config import load_settings
+    from runner.supervisor import build_supervisor
+    from tests import daemon_harness
+
+    settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_SOCKET_DIR":
+                              daemon_harness.test_socket_dir(tmp_path), "CLOUD_AGENT_IMAGE": "fake:1",
+                              "CLOUD_AGENT_GATEWAY_URL": "http://127.0.0.1:9", "CLOUD_AGENT_PROXY_PROCESS": "daemon"})
+    sup = build_supervisor(settings, "http://127.0.0.1:9", engine=_NoImageEngine())  # type: ignore[arg-type]
+    store = sup.store
+    assert isinstance(store, Store)
+    stopped = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            running = anyio.Event()
+            leave = anyio.Event()
+
+            async def serve() -> None:
+                async with sup.running():
+                    running.set()
+                    await leave.wait()
+                stopped.set()
+
+            tg.start_soon(serve)
+            with anyio.fail_after(30):
+                await running.wait()
+            await claimed(store, "j1")
+            flushes = store.flusher.flushes
+            with flusher_held(store):
+                await store.settle_job("u1", "j1", SettleQuery("c1", None), lambda view: (receipt("j1"), None),
+                                       sync=False)
+                leave.set()
+                await anyio.sleep(0.5)  # long enough for a shutdown that did not wait to end
+                assert not stopped.is_set()
+            with anyio.fail_after(30):
+                await stopped.wait()
+            assert store.flusher.flushes == flushes + 1
+    finally:
+        store.close()

@@ -53,6 +53,17 @@ class FakeStream:
 
 
 @dataclass
+class RefusingEngine:
+    """Enough engine for a supervisor whose turns never reach a container: its image has no
+    pins, so every turn is refused before one would be made, and it has no sandboxes."""
+
+    async def image(self, ref: str) -> ImageInfo:
+        return ImageInfo(id="sha256:" + "0" * 64, labels={}, tags=(ref,))
+
+    async def list_labelled(self, label: str) -> list[ContainerInfo]:
+        return []
+
+
 class FakeEngine:
     labels: dict[str, str] = field(default_factory=lambda: load_pins().labels(with_helper=True))
     data_root: str | None = "root-1"

@@ -32,6 +32,7 @@ from runner.job_stream import JobStream, ndjson_line
 from state.records import JobState
 from state.store import Store
 from state.wire_ledger import SettleQuery
+from tests.support.fake_engine import RefusingEngine
 from tests.unit.test_inspector_api import AUTH, TOKEN, receipt, supervisor
 
 pytestmark = pytest.mark.anyio
@@ -201,16 +202,6 @@ async def test_a_store_closes_once_a_turns_commit_still_in_flight_is_on_disk(sto
     assert store.flusher.flushes == flushes + 1
 
 
-class _NoImageEngine:
-    """Enough engine for a supervisor that runs no turn."""
-
-    async def image(self, ref: str) -> Any:
-        raise AssertionError("no turn runs here")
-
-    async def list_labelled(self, label: str) -> list[Any]:
-        return []
-
-
 async def test_the_supervisors_shutdown_waits_for_a_commit_still_on_its_way_to_the_disk(tmp_path) -> None:
     """A turn whose reader left has no response to wait for its commit's flush: the shutdown
     does (without: it ends with the flush still unanswered)."""
@@ -221,7 +212,7 @@ async def test_the_supervisors_shutdown_waits_for_a_commit_still_on_its_way_to_t
     settings = load_settings({"CLOUD_AGENT_HOME": str(tmp_path), "CLOUD_AGENT_SOCKET_DIR":
                               daemon_harness.test_socket_dir(tmp_path), "CLOUD_AGENT_IMAGE": "fake:1",
                               "CLOUD_AGENT_GATEWAY_URL": "http://127.0.0.1:9", "CLOUD_AGENT_PROXY_PROCESS": "daemon"})
-    sup = build_supervisor(settings, "http://127.0.0.1:9", engine=_NoImageEngine())  # type: ignore[arg-type]
+    sup = build_supervisor(settings, "http://127.0.0.1:9", engine=RefusingEngine())  # type: ignore[arg-type]
     store = sup.store
     assert isinstance(store, Store)
     stopped = anyio.Event()

@@ -6,8 +6,6 @@ state machine and commit, and is refused before any container would be made.
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import pytest
 
@@ -15,17 +13,9 @@ from runner.config import load_settings
 from tests import daemon_harness  # by module: a test_* name imported here would be collected
 from state.jobs import Job
 from runner.supervisor import build_supervisor
-from sandbox_manager.engine import ImageInfo
+from tests.support.fake_engine import RefusingEngine
 
 pytestmark = pytest.mark.anyio
-
-
-class RefusingEngine:
-    async def image(self, ref: str) -> ImageInfo:
-        return ImageInfo(id="sha256:" + "0" * 64, labels={}, tags=(ref,))  # no pins: refused
-
-    async def list_labelled(self, label: str) -> list[Any]:
-        return []
 
 
 async def test_locks_jobs_and_streams_are_pruned_after_many_chats(tmp_path) -> None:

@@ -52,7 +52,6 @@ class FakeStream:
         return ""
 
 
-@dataclass
 class RefusingEngine:
     """Enough engine for a supervisor whose turns never reach a container: its image has no
     pins, so every turn is refused before one would be made, and it has no sandboxes."""
@@ -64,6 +63,7 @@ class RefusingEngine:
         return []
 
 
+@dataclass
 class FakeEngine:
     labels: dict[str, str] = field(default_factory=lambda: load_pins().labels(with_helper=True))
     data_root: str | None = "root-1"

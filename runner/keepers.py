@@ -1,12 +1,18 @@
 """Residents under in-sandbox keepers (SPEC 14): start, record, acknowledge, re-attach.
 
 The keeper (``ca-keeper``) owns the CLI's stdio inside the sandbox and keeps its output by
-byte offset until acknowledged. The daemon acknowledges at turn boundaries only: when a turn
-begins (everything before it is the previous turns', committed) and after a turn committed.
-So while a turn runs, the keeper holds all of that turn's output and a new daemon can re-read
+byte offset until acknowledged. The daemon acknowledges at turn boundaries only: after a turn
+committed (and, for a keeper of an image before turn notes, when a turn begins). So while a
+turn runs, the keeper holds all of that turn's output and a new daemon can re-read
 it from the offset where the turn began. The store records, per member, the keeper's
-identity, the driver session's snapshot, the acknowledged offset and the turn in flight
-(``state.keepers``).
+identity, the driver session's snapshot and the acknowledged offset (``state.keepers``).
+
+The turn in flight is the keeper's own note (frame T): written before the turn's input on the
+same connection, so the keeper has it whenever it has the input, and no store write waits in
+front of the CLI's input. The turn's start is then not acknowledged (the store's acknowledged
+offset would fall behind the keeper's); the next daemon attaches from the store's offset and
+reads past the output before the note's. A keeper of an image before notes gets the turn in
+the store, as before.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from drivers.session import NativeSession, TurnStart
 from runner.processes import launch_files
 from sandbox_manager import keeper_sandbox
 from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_errors import KeeperError
 from sandbox_manager.keeper_identity import KeeperIdentity
 from sandbox_manager.keeper_sandbox import KeeperPaths
 from sandbox_manager.member_processes import MemberDirs
@@ -27,12 +34,13 @@ from sandbox_manager.sandbox import Sandbox
 from sandbox_manager.sandboxes import SandboxManager
 from state.contract import StoreContract
 from state.jobs import Job
-from state.keepers import KeeperRecord, KeeperTurn
+from state.keepers import KeeperNote, KeeperRecord, KeeperTurn
 from state.receipts import ContextStatus, Timings
 
 log = structlog.get_logger("keepers")
 
 MemberKey = tuple[str, str, str]
+MAX_NOTE_CHARS = 4 << 20  # well inside a keeper frame (a job's message is 1 MiB at most by default)
 
 
 @dataclass
@@ -114,10 +122,21 @@ class Keepers:
                          job: Job, start: TurnStart, *, status: ContextStatus | None, started_at, timings: Timings
                          ) -> None:
         """Before the turn's opening is written: record where its output begins."""
-        await handle.channel.ack()
+        channel = handle.channel
+        if not channel.takes_notes:
+            await channel.ack()  # the store's record below says the same offset
         turn = KeeperTurn(job_json=job.model_dump_json(), start_json=start.model_dump_json(),
-                          offset=handle.channel.offset, context_status=status.value if status else None,
+                          offset=channel.offset, context_status=status.value if status else None,
                           started_at=started_at, timings_json=timings.model_dump_json())
+        if channel.takes_notes:
+            note = KeeperNote(turn=turn, session=session.snapshot()).model_dump_json()
+            if len(note) <= MAX_NOTE_CHARS:
+                try:
+                    await channel.write_note(note)
+                except KeeperError:
+                    pass  # the link is gone: the turn's opening fails next, as the CLI's transport closing
+                return
+            await channel.ack()  # an unusually large job: in the store, as for an older keeper
         # Not flushed to disk (sync=False; the receipt's commit flushes it): the record serves
         # a daemon that restarts while the keeper lives, and a keeper outlives only what the
         # machine outlives. A crash of the machine takes the keeper and the page cache alike;

@@ -4,7 +4,8 @@ anything else (the member's next turn is ``RESTORED`` by the usual rules). A kee
 answers with another identity is never trusted: nothing of its output is read.
 
 A turn that was in flight comes back as a :class:`Pending`: the supervisor finishes it
-(``TurnRunner.finish``) from the offset where it began, and commits it once.
+(``TurnRunner.finish``) from the offset where it began, and commits it once. The turn is the
+keeper's note (``runner.keepers``), or the store record's for a keeper of an image before notes.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from typing import Any
 import structlog
 
 from drivers.models import Locator
+from runner.keepers import KeeperHandle
 from runner.processes import member_paths
 from runner.residents import Resident
 from runner.transport import exec_transport
+from pydantic import ValidationError
+
 from sandbox_manager.keeper_errors import KeeperError, KeeperIdentityMismatch
 from state.contract import StoreContract
 from state.jobs import Job
-from state.keepers import KeeperRecord
+from state.keepers import KeeperNote, KeeperRecord
 from state.receipts import Outcome, Receipt, SandboxInfo, Timings
 from state.records import JobRecord, SandboxState
 
@@ -58,8 +62,8 @@ async def readopt(runner, running_job_ids: set[str]) -> tuple[Readoption, dict[t
     keepers, store, manager = runner.keepers, runner.store, runner.manager
     result = Readoption([], [], [])
     records = {(r.user_id, r.chat_id, r.member_id): r for r in await store.list_keepers(manager.config.host_id)}
-    for key, rec in records.items():
-        why = await _adopt_one(runner, key, rec, running_job_ids, result)
+    for key, rec in list(records.items()):
+        why = await _adopt_one(runner, key, rec, running_job_ids, result, records)
         if why is None:
             continue
         result.refused.append((key, why))
@@ -72,8 +76,10 @@ async def readopt(runner, running_job_ids: set[str]) -> tuple[Readoption, dict[t
     return result, records
 
 
-async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], result: Readoption) -> str | None:
-    """None when adopted, else why not."""
+async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], result: Readoption,
+                     records: dict[tuple[str, str, str], KeeperRecord]) -> str | None:
+    """None when adopted, else why not. A turn in flight in the keeper's note is put into
+    ``records`` (the record then says what a store record of the turn would have)."""
     store, manager = runner.store, runner.manager
     sb = await store.get_sandbox(key[0], key[1])
     if sb is None or sb.container_id != rec.container_id or sb.state != SandboxState.RUNNING:
@@ -98,6 +104,15 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
         return f"identity_mismatch: {exc}"
     except KeeperError as exc:
         return f"keeper_unavailable: {exc}"
+    try:
+        rec, why = await _with_note(handle, rec, running_job_ids)
+    except KeeperError as exc:
+        why = f"keeper_unavailable: {exc}"
+    if why is not None:
+        await handle.channel.detach()
+        return why
+    records[key] = rec
+    turn_job = Job.model_validate_json(rec.turn.job_json) if rec.turn is not None else None
     driver = runner.driver(rec.runtime)
     saved = member.locator
     gateway = await runner.gateway(rec.runtime, *key)
@@ -120,6 +135,30 @@ async def _adopt_one(runner, key, rec: KeeperRecord, running_job_ids: set[str], 
     log.info("keeper.adopted", member=key[2], runtime=rec.runtime, acked=rec.acked,
              in_flight=turn_job.job_id if turn_job else None)
     return None
+
+
+async def _with_note(handle: KeeperHandle, rec: KeeperRecord, running_job_ids: set[str]) -> tuple[KeeperRecord, str | None]:
+    """The record with the keeper's turn note applied (the note's turn, if still running, is
+    the turn in flight; its output is then read from where it began), or why not adopted."""
+    text = handle.channel.hello.turn_note
+    if text is None:
+        return rec, None
+    try:
+        note = KeeperNote.model_validate_json(text)
+        job = Job.model_validate_json(note.turn.job_json)
+    except ValidationError as exc:
+        return rec, f"turn_note_unreadable: {exc.errors()[0]['msg']}"
+    if job.job_id not in running_job_ids:
+        if note.turn.offset > rec.acked:
+            # committed without the store's record moving past it: the snapshot predates
+            # that turn, so this process is not trusted for the next one
+            return rec, "snapshot_stale"
+        return rec, None  # a turn already committed (its commit recorded where it ended)
+    if rec.turn is not None:
+        return rec, "two_turns_in_flight"  # never written so: nothing of it is trusted
+    # the attach began at the store's acknowledged offset; the turn began at or after it
+    await handle.channel.skip_to(note.turn.offset)
+    return rec.model_copy(update={"turn": note.turn, "session": note.session}), None
 
 
 async def abandon(store: StoreContract, running: list[JobRecord], records: dict[tuple[str, str, str], KeeperRecord]) -> None:

@@ -238,6 +238,39 @@ class KeeperChannel:
         self._acked = upto
         await self._send(wire.encode_offset(wire.ACK, upto))
 
+    @property
+    def takes_notes(self) -> bool:
+        """The keeper keeps a turn note (an image before them does not)."""
+        return self.hello.turn_notes
+
+    async def write_note(self, note: str) -> None:
+        """The keeper's turn note from now on (every later hello gives it). Sent before the
+        turn's input on the same connection, the keeper has it whenever it has that input."""
+        if not self.takes_notes:
+            raise KeeperError("this keeper keeps no turn note", reason="no_turn_notes")
+        if self._failure is not None or self._ended:
+            raise self._failure or KeeperDetached("the attach stream has ended")
+        data = note.encode()
+        if len(data) > wire.MAX_PAYLOAD:
+            raise ValueError(f"a turn note of {len(data)} bytes is over the frame's {wire.MAX_PAYLOAD}")
+        try:
+            await self._send(wire.encode(wire.NOTE, data))
+        except KeeperDetached as exc:
+            self._failure = exc  # no input may follow a note the keeper did not get
+            raise
+
+    async def skip_to(self, offset: int, timeout_s: float = 10.0) -> None:
+        """Read and drop the CLI's output up to ``offset``, a line boundary the previous daemon
+        had read to (a turn's note names where its turn began; an attach starts at the last
+        acknowledged offset, which may be earlier)."""
+        with anyio.move_on_after(timeout_s) as scope:
+            while self._offset < offset:
+                if await self.receive() is None:
+                    break
+        if self._offset != offset:
+            waited = f" within {timeout_s} s" if scope.cancelled_caught else ""
+            raise KeeperUnavailable(f"the output read to {self._offset}, not to the turn's start at {offset}{waited}")
+
     async def wait_exit(self, timeout_s: float = 5.0) -> KeeperExit | None:
         """After the CLI's EOF: read on until its exit status arrives (or the link ends)."""
         with anyio.move_on_after(timeout_s):

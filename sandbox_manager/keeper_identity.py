@@ -38,6 +38,9 @@ class KeeperHello(BaseModel):
     input_written: int = Field(description="bytes of it written to the CLI's stdin")
     accepted: bool = Field(description="this connection is now the attached client")
     refused: str | None
+    # absent from a keeper of an image before them: such a keeper is told its turns in the store
+    turn_notes: bool = Field(default=False, description="the keeper keeps a turn note (frame T)")
+    turn_note: str | None = Field(default=None, description="the last turn note the daemon wrote")
 
 
 class KeeperIdentity(BaseModel):

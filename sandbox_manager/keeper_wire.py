@@ -26,6 +26,7 @@ INPUT = b"I"  # bytes for the CLI's stdin
 ACK = b"K"  # 8-byte offset: the keeper may release output before it
 CLOSE_STDIN = b"C"
 SHUTDOWN = b"Z"  # {"grace_s": S}: end the CLI's process group, then the keeper exits
+NOTE = b"T"  # the turn note (UTF-8, opaque to the keeper; empty clears it): every hello gives it back
 # keeper -> daemon
 HELLO = b"H"  # identity and offsets (JSON)
 DATA = b"D"  # 8-byte offset of the first byte + CLI stdout bytes

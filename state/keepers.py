@@ -36,6 +36,17 @@ class KeeperTurn(BaseModel):
     timings_json: str  # the Timings measured before the turn (sandbox, process)
 
 
+class KeeperNote(BaseModel):
+    """A turn in flight as the keeper keeps it (its turn note, SPEC 14): written to the keeper
+    before the turn's input instead of to the store, and read back from its hello by the next
+    daemon. A keeper outlives what the machine outlives, as a commit the disk has not flushed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    turn: KeeperTurn
+    session: dict[str, Any]  # the driver session's snapshot as the turn began
+
+
 class KeeperRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

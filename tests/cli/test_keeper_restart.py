@@ -15,6 +15,7 @@ import pytest
 
 from deploy.loopback import LoopbackFixture, reply, stall
 from sandbox_manager.identity import member_key
+from sandbox_manager.keeper_sandbox import KeeperPaths, status_argv
 from tests.daemon_harness import TOKEN, DaemonProcess, daemon_process, daemon_settings, running_daemon
 from tests.supervisor_helpers import Chat, assert_model_saw, high_water, runtimes_one_per_bridge
 
@@ -36,6 +37,13 @@ def keeper_row(home: Path, chat: Chat) -> dict[str, Any] | None:
     finally:
         db.close()
     return None if row is None else json.loads(row[0])
+
+
+def keeper_status(docker_client, rec: dict[str, Any]) -> dict[str, Any]:
+    """``ca-keeper status`` in the sandbox: the keeper's hello, its turn note included."""
+    argv = status_argv(KeeperPaths.in_run_dir(rec["run_dir"]))
+    out = docker_client.containers.get(rec["container_id"]).exec_run(argv, user="agent").output
+    return json.loads(out)
 
 
 def cli_alive(docker_client, cid: str, pid: int) -> bool:
@@ -138,7 +146,11 @@ async def stop_while_the_reply_streams(fx, home: Path, image: str, docker_client
                 await anyio.to_thread.run_sync(lambda: fx.wait_for(
                     lambda rs: any("during the crash" in json.dumps(r.body) for r in rs), timeout=90))
                 await anyio.sleep(1.0)
-                assert keeper_row(home, chat)["turn"] is not None
+                # the turn in flight is the keeper's note (runner.keepers), not a store write
+                rec = keeper_row(home, chat)
+                assert rec["turn"] is None
+                note = json.loads(keeper_status(docker_client, rec)["hello"]["turn_note"])
+                assert json.loads(note["turn"]["job_json"])["job_id"] == crash_job["job_id"]
                 await anyio.to_thread.run_sync(stop, dp)
                 tg.cancel_scope.cancel()
     # no daemon now: the proxy service still serves the sandbox and knows the member's turn

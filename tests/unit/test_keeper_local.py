@@ -404,3 +404,52 @@ async def test_retire_leaves_a_reused_keeper_pid_alone(paths) -> None:
     finally:
         other.kill()
         await other.aclose()
+
+
+async def test_the_turn_note_comes_back_with_every_hello_and_a_reattach_reads_to_its_offset(paths) -> None:
+    """SPEC 14's turn in flight kept by the keeper: the note written before a turn's input is
+    in the next attach's hello (and the status'); the attach starts at the acknowledged offset
+    and ``skip_to`` drops the output before the turn; an empty note clears it."""
+    with anyio.fail_after(30):
+        ch, client = await start_local(paths, fake_cli_argv())
+        ident = ch.identity
+        assert (ch.hello.turn_notes, ch.hello.turn_note) == (True, None)
+        await ch.receive()  # the ready line
+        await ch.ack()
+        acked = ch.acked
+        await ch.send(b'{"op":"echo","n":"between turns"}')
+        assert await ch.receive() == b'{"op":"echo","n":"between turns"}'
+        turn_at = ch.offset  # read, not acknowledged: the store's offset stays at ``acked``
+        note = json.dumps({"job": "j-1", "offset": turn_at, "text": "caf\u00e9"})
+        await ch.write_note(note)
+        await ch.send(b'{"op":"echo","n":"the turn"}')
+        assert await ch.receive() == b'{"op":"echo","n":"the turn"}'
+        client.send_signal(signal.SIGKILL)  # the daemon dies mid-turn
+        await client.wait()
+        await reap(client)
+        assert status(paths)["hello"]["turn_note"] == note
+        ch, client = await attach_local(paths, from_offset=acked, expect=ident)
+        assert (ch.hello.turn_note, ch.hello.acked, ch.offset) == (note, acked, acked)
+        await ch.skip_to(json.loads(ch.hello.turn_note)["offset"])
+        assert ch.offset == turn_at
+        assert await ch.receive() == b'{"op":"echo","n":"the turn"}'  # the turn's output, from its start
+        await ch.write_note("")
+        await ch.detach()
+        await reap(client)
+        ch, client = await attach_local(paths, from_offset=acked, expect=ident)
+        assert ch.hello.turn_note is None
+        with pytest.raises(KeeperUnavailable, match="not to the turn's start at 5"):
+            await ch.skip_to(5, timeout_s=0.5)  # inside the ready line: never a line boundary
+        await ch.detach()
+        await reap(client)
+
+
+async def test_a_turn_note_that_is_not_utf8_is_refused(paths) -> None:
+    with anyio.fail_after(30):
+        ch, client = await start_local(paths, fake_cli_argv())
+        await ch.receive()
+        await ch._send(wire.encode(wire.NOTE, b"\xff\xfe"))
+        with pytest.raises(KeeperRefused, match="not UTF-8"):
+            while True:
+                await ch.receive()
+        await reap(client)

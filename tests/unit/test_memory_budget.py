@@ -371,6 +371,33 @@ async def test_a_turn_that_fits_reads_nothing_and_one_that_does_not_retires_the_
     assert 'cloud_agent_resident_memory_retirements_total{cause="turn"} 1.0' in generate_latest(registry).decode()
 
 
+async def test_a_turn_far_under_the_budget_asks_no_residents_lock_and_one_near_it_counts_exactly() -> None:
+    """The turn's room asks each resident's locks only near the budget: an upper bound of the
+    count (every resident as if in its turn) answers first. Near the budget, the exact count
+    (idle residents at their floor) still lets a turn run that the bound alone would not."""
+    pool, locks, reader, registry, mem = budget_rig(2000 * MiB)
+    mem.policy.learn("codex", 300 * MiB)
+    for i in range(5):
+        resident(pool, reader, f"m{i}", 20 + i, 150, last=i)
+    await mem.refresh()
+    asked: list[bool] = []
+    exact = mem.uses
+
+    def counting_uses(**kw: Any) -> Any:
+        asked.append(True)
+        return exact(**kw)
+
+    mem.uses = counting_uses  # type: ignore[method-assign]
+    async with locks.hold(("u", "c", "m0")):
+        await mem.turn_room(("u", "c", "m0"), "codex")  # bound 5 x 300 = 1500 <= 2000
+    assert asked == []
+    mem.policy.budget = 1000 * MiB  # bound 1500 over it; exact: 4 idle at the 160 floor + 300 = 940
+    async with locks.hold(("u", "c", "m0")):
+        await mem.turn_room(("u", "c", "m0"), "codex")
+        assert (len(asked), len(pool.keys())) == (1, 5)  # counted exactly once, nobody retired
+        assert mem.committed() == 940 * MiB
+
+
 def two_codex_residents() -> tuple[ResidentPool, MemberLocks, CollectorRegistry, ResidentMemory]:
     """A 500 MiB budget, codex learnt at 300 MiB, idle residents a (read at 150) then b (150)."""
     pool, locks, reader, registry, mem = budget_rig(500 * MiB)

@@ -1,5 +1,6 @@
 """A turn's commit fsynced on the store's thread against one flushed by the flusher process,
-side by side in one run (issue 16, stop 51).
+and the keeper's turn record in the store against in the keeper's note, side by side in one
+run (issue 16, stops 51 and 52).
 
     uv run python tests/bench/bench_store_commits.py [--chats 16] [--turns 40] [--rounds 4]
 
@@ -16,9 +17,12 @@ differ only in that commit:
 * ``flushed``: a relaxed COMMIT, the flush asked of the flusher at once, and the turn waits
   for it afterwards (``state.store.Store.settle_job`` with ``sync=False`` now, then the wait
   its response makes, runner.durable_responses).
+* ``noted``: as ``flushed``, with the keeper's turn record in the keeper's own note (stop 52,
+  runner.keepers: a frame on the keeper's socket, no store write) instead of the store: what
+  a turn does now. The two ``flushed`` arms differ only in that store write.
 
-Rounds alternate the arms. Printed: turns per second and their ratio, and per turn the time
-before the CLI's input (claim, its flush and the keeper record) and the commit, p50 and p90.
+Rounds alternate the arms' order. Printed: turns per second and their ratios, and per turn the
+time before the CLI's input (claim, its flush and the keeper record) and the commit, p50 and p90.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def busy(ms: float) -> None:
 
 
 async def one_round(store: Store, tag: str, chats: int, turns: int, cli_ms: float, loop_ms: float,
-                    before_input: list[float], commit: list[float]) -> float:
+                    before_input: list[float], commit: list[float], *, keeper_record: bool = True) -> float:
     async def chat(c: int) -> None:
         name = f"c{c}"
         for t in range(turns):
@@ -78,7 +82,10 @@ async def one_round(store: Store, tag: str, chats: int, turns: int, cli_ms: floa
             t0 = time.perf_counter()
             claim = await store.claim_job(job, "u", name, "m1", "d", "o", sync=False)
             assert claim.kind == "claimed"
-            await alongside(store.sync, lambda: store.put_keeper(keeper(name, job), sync=False))
+            if keeper_record:
+                await alongside(store.sync, lambda: store.put_keeper(keeper(name, job), sync=False))
+            else:
+                await store.sync()  # the keeper's note is a frame on its socket: no store call
             before_input.append((time.perf_counter() - t0) * 1000)
             await anyio.sleep(cli_ms / 1000)
             busy(loop_ms)
@@ -103,7 +110,8 @@ def pct(xs: list[float], q: float) -> float:
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"synchronous": SynchronousCommits(Path(tmp) / "sync" / "s.db"),
-                "flushed": Store(Path(tmp) / "flushed" / "s.db")}
+                "flushed": Store(Path(tmp) / "flushed" / "s.db"),
+                "noted": Store(Path(tmp) / "noted" / "s.db")}
         for store in arms.values():
             await store.open()
         rate: dict[str, list[float]] = {a: [] for a in arms}
@@ -114,7 +122,8 @@ async def main(args: argparse.Namespace) -> None:
                 order = list(arms) if r % 2 == 0 else list(reversed(arms))
                 for arm in order:
                     rate[arm].append(await one_round(arms[arm], f"r{r}", args.chats, args.turns, args.cli_ms,
-                                                     args.loop_ms, before_input[arm], commit[arm]))
+                                                     args.loop_ms, before_input[arm], commit[arm],
+                                                     keeper_record=arm != "noted"))
         finally:
             for store in arms.values():
                 store.close()
@@ -124,9 +133,10 @@ async def main(args: argparse.Namespace) -> None:
     for arm in arms:
         print(f"{arm:12} {statistics.median(rate[arm]):8.1f} {pct(before_input[arm], .5):17.2f} "
               f"{pct(before_input[arm], .9):6.2f} {pct(commit[arm], .5):11.2f} {pct(commit[arm], .9):6.2f}")
-    ratio = statistics.median(rate["flushed"]) / statistics.median(rate["synchronous"])
-    print(f"turns/s flushed / synchronous: {ratio:.3f} (per round: "
-          + ", ".join(f"{f / s:.3f}" for f, s in zip(rate["flushed"], rate["synchronous"], strict=True)) + ")")
+    for a, b in (("flushed", "synchronous"), ("noted", "flushed")):
+        ratio = statistics.median(rate[a]) / statistics.median(rate[b])
+        print(f"turns/s {a} / {b}: {ratio:.3f} (per round: "
+              + ", ".join(f"{x / y:.3f}" for x, y in zip(rate[a], rate[b], strict=True)) + ")")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The keeper (``ca-keeper`` in the image) owns the CLI's stdio and numbers its stdout by
 byte offset. :class:`KeeperChannel` speaks the keeper's frames over any byte stream (the
-attached exec in production: :class:`ExecBytes`; a local process in tests:
+attached exec: ``sandbox_manager.keeper_bytes.ExecBytes``; the host's link to its socket:
+``sandbox_manager.keeper_link.SocketBytes``; a local process in tests:
 ``tests.support.keeper_local.ProcessBytes``) and gives the driver the same line stream a
 ``Transport`` gives: ``send`` / ``receive`` / ``close`` / ``alive`` / ``diagnostics``. On top
 it knows where it is in the CLI's output (:attr:`KeeperChannel.offset`), acknowledges what
@@ -17,13 +18,12 @@ the keeper says about itself is ``sandbox_manager.keeper_identity``.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
-
 import anyio
 from pydantic import ValidationError
 
 from sandbox_manager import keeper_wire as wire
-from sandbox_manager.exec_stream import ExecStream, ExecStreamClosed
+from sandbox_manager.exec_stream import ExecStreamClosed
+from sandbox_manager.keeper_bytes import ByteStream
 from sandbox_manager.keeper_errors import (
     KeeperBroken,
     KeeperDetached,
@@ -37,35 +37,6 @@ from sandbox_manager.keeper_identity import KeeperExit, KeeperHello, KeeperIdent
 
 MAX_LINE_BYTES = 32 * 1024 * 1024
 STDERR_KEEP = 16 * 1024
-
-
-# -- byte streams ---------------------------------------------------------------------------------
-
-
-class ByteStream(Protocol):
-    async def send_bytes(self, data: bytes) -> None: ...
-    async def receive_bytes(self) -> bytes: ...  # b"" at end of stream
-    async def aclose(self) -> None: ...
-    def diagnostics(self) -> str: ...
-
-
-class ExecBytes:
-    """An attached exec (of ``ca-keeper run|attach``) as a byte stream."""
-
-    def __init__(self, stream: ExecStream) -> None:
-        self.exec = stream
-
-    async def send_bytes(self, data: bytes) -> None:
-        await self.exec.send_raw(data)
-
-    async def receive_bytes(self) -> bytes:
-        return await self.exec.receive_raw()
-
-    async def aclose(self) -> None:
-        await self.exec.aclose()
-
-    def diagnostics(self) -> str:
-        return self.exec.diagnostics()
 
 
 # -- the channel ----------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class NoDirectLink(Exception):
 
 
 class SocketBytes:
-    """A connected unix socket as a keeper byte stream (sandbox_manager.keeper.ByteStream), on
+    """A connected unix socket as a keeper byte stream (sandbox_manager.keeper_bytes.ByteStream), on
     anyio's socket stream as an exec's is (sandbox_manager.exec_stream): its close wakes a read
     or a send in flight (a retire closes the link under a turn that is reading it), ``b""``
     once the peer is gone, :class:`ExecStreamClosed` for a send that cannot be made."""

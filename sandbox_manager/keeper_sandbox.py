@@ -17,7 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from sandbox_manager.engine import Engine, NotFound
 from sandbox_manager.exec_stream import ExecStreamClosed
-from sandbox_manager.keeper import ExecBytes, KeeperChannel
+from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_bytes import ExecBytes
 from sandbox_manager.keeper_errors import KeeperProtocolError, KeeperUnavailable
 from sandbox_manager.keeper_identity import KeeperHello, KeeperIdentity
 from sandbox_manager.keeper_link import link_direct

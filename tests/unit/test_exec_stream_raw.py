@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from sandbox_manager import keeper_wire as wire
 from sandbox_manager.exec_stream import ExecStream, ExecStreamClosed
-from sandbox_manager.keeper import ExecBytes, KeeperChannel
+from sandbox_manager.keeper import KeeperChannel
+from sandbox_manager.keeper_bytes import ExecBytes
 
 pytestmark = pytest.mark.anyio
 

@@ -15,14 +15,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
+from pydantic import ValidationError
 
 from drivers.models import Locator
 from runner.keepers import KeeperHandle
 from runner.processes import member_paths
 from runner.residents import Resident
 from runner.transport import exec_transport
-from pydantic import ValidationError
-
 from sandbox_manager.keeper_errors import KeeperError, KeeperIdentityMismatch
 from state.contract import StoreContract
 from state.jobs import Job

@@ -18,6 +18,7 @@ the keeper says about itself is ``sandbox_manager.keeper_identity``.
 from __future__ import annotations
 
 from collections import deque
+
 import anyio
 from pydantic import ValidationError
 

@@ -17,6 +17,7 @@ the store, as before.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import structlog
@@ -25,6 +26,7 @@ from drivers.base import Launch
 from drivers.session import NativeSession, TurnStart
 from runner.processes import launch_files
 from sandbox_manager import keeper_sandbox
+from sandbox_manager import keeper_wire as wire
 from sandbox_manager.keeper import KeeperChannel
 from sandbox_manager.keeper_errors import KeeperError
 from sandbox_manager.keeper_identity import KeeperIdentity
@@ -40,7 +42,14 @@ from state.receipts import ContextStatus, Timings
 log = structlog.get_logger("keepers")
 
 MemberKey = tuple[str, str, str]
-MAX_NOTE_CHARS = 4 << 20  # well inside a keeper frame (a job's message is 1 MiB at most by default)
+# The keeper gives the note back inside its hello's JSON, escaped to ASCII (a character takes up
+# to 12 there: a surrogate pair); the hello must fit one frame, with room for its other fields
+NOTE_ROOM = wire.MAX_PAYLOAD - (64 << 10)
+
+
+def note_fits(note: str) -> bool:
+    """Whether ``note`` fits the keeper's hello (exactly, when the cheap bound says it may not)."""
+    return len(note) * 12 <= NOTE_ROOM or len(json.dumps(note)) <= NOTE_ROOM
 
 
 @dataclass
@@ -130,7 +139,7 @@ class Keepers:
                           started_at=started_at, timings_json=timings.model_dump_json())
         if channel.takes_notes:
             note = KeeperNote(turn=turn, session=session.snapshot()).model_dump_json()
-            if len(note) <= MAX_NOTE_CHARS:
+            if note_fits(note):
                 try:
                     await channel.write_note(note)
                 except KeeperError:

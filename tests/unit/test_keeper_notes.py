@@ -166,3 +166,20 @@ async def test_a_note_the_keeper_never_got_lets_no_input_follow() -> None:
     with pytest.raises(KeeperDetached, match="the keeper link is gone"):
         await handle.channel.send(b'{"type":"prompt"}')
     assert [kind for kind, _ in stream.frames()] == [b"A"]
+
+
+async def test_a_note_the_keepers_hello_could_not_carry_goes_to_the_store() -> None:
+    """The keeper gives the note back inside its hello, escaped to ASCII: 3 Mi characters of
+    "é" are 6 MiB as the note's frame but 18 MiB in a hello, over a frame's 16 MiB, and the next
+    daemon could never attach. Such a turn is recorded in the store, as for an older keeper."""
+    handle, stream = await attached(notes=True)
+    store = CountingStore()
+    big = JOB.model_copy(update={"message": "\u00e9" * (3 << 20)})
+    keepers = Keepers(store, SimpleNamespace(config=SimpleNamespace(host_id="h1")),  # type: ignore[arg-type]
+                      buffer_bytes=1 << 20)
+    await keepers.begin_turn(KEY, "pi", handle, Session(), big, TurnStart(turn=2),  # type: ignore[arg-type]
+                             status=ContextStatus.LIVE, started_at=STARTED, timings=Timings())
+    assert [kind for kind, _ in stream.frames()] == [b"A", b"K"]
+    [(rec, sync)] = store.keepers
+    assert rec.turn is not None and Job.model_validate_json(rec.turn.job_json).message == big.message
+    assert len(json.dumps(KeeperNote(turn=rec.turn, session=rec.session).model_dump_json())) > wire.MAX_PAYLOAD

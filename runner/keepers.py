@@ -132,8 +132,6 @@ class Keepers:
                          ) -> None:
         """Before the turn's opening is written: record where its output begins."""
         channel = handle.channel
-        if not channel.takes_notes:
-            await channel.ack()  # the store's record below says the same offset
         turn = KeeperTurn(job_json=job.model_dump_json(), start_json=start.model_dump_json(),
                           offset=channel.offset, context_status=status.value if status else None,
                           started_at=started_at, timings_json=timings.model_dump_json())
@@ -145,7 +143,8 @@ class Keepers:
                 except KeeperError:
                     pass  # the link is gone: the turn's opening fails next, as the CLI's transport closing
                 return
-            await channel.ack()  # an unusually large job: in the store, as for an older keeper
+        # In the store: an older keeper's turn, or one whose note its hello could not carry.
+        await channel.ack()  # the record says the same offset
         # Not flushed to disk (sync=False; the receipt's commit flushes it): the record serves
         # a daemon that restarts while the keeper lives, and a keeper outlives only what the
         # machine outlives. A crash of the machine takes the keeper and the page cache alike;

@@ -7,8 +7,8 @@ turn runs, the keeper holds all of that turn's output and a new daemon can re-re
 it from the offset where the turn began. The store records, per member, the keeper's
 identity, the driver session's snapshot and the acknowledged offset (``state.keepers``).
 
-The turn in flight is the keeper's own note (frame T): written before the turn's input on the
-same connection, so the keeper has it whenever it has the input, and no store write waits in
+The turn in flight is the keeper's own note (frame T): written in front of the turn's input,
+in the same write, so the keeper has it whenever it has the input, and no store write waits in
 front of the CLI's input. The turn's start is then not acknowledged (the store's acknowledged
 offset would fall behind the keeper's); the next daemon attaches from the store's offset and
 reads past the output before the note's. A keeper of an image before notes gets the turn in
@@ -18,13 +18,16 @@ the store, as before.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
 
 from drivers.base import Launch
 from drivers.session import NativeSession, TurnStart
+from runner.alongside import alongside
 from runner.processes import launch_files
+from runner.turn_context import InputNotReady
 from sandbox_manager import keeper_sandbox
 from sandbox_manager import keeper_wire as wire
 from sandbox_manager.keeper import KeeperChannel
@@ -128,23 +131,43 @@ class Keepers:
         await self.store.put_keeper(self._record(key, runtime, handle, session, None))
 
     async def begin_turn(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession,
-                         job: Job, start: TurnStart, *, status: ContextStatus | None, started_at, timings: Timings
-                         ) -> None:
-        """Before the turn's opening is written: record where its output begins."""
+                         job: Job, start: TurnStart, *, status: ContextStatus | None, started_at, timings: Timings,
+                         input_ready: Callable[[], Awaitable[None]]) -> None:
+        """Before the turn's opening is written: record where its output begins, and return once
+        the input may go (``input_ready``: the claim's flush, the proxy's begin). A failed wait is
+        raised as :class:`InputNotReady`, after the record is done."""
         channel = handle.channel
         turn = KeeperTurn(job_json=job.model_dump_json(), start_json=start.model_dump_json(),
                           offset=channel.offset, context_status=status.value if status else None,
                           started_at=started_at, timings_json=timings.model_dump_json())
-        if channel.takes_notes:
-            note = KeeperNote(turn=turn, session=session.snapshot()).model_dump_json()
-            if note_fits(note):
-                try:
-                    await channel.write_note(note)
-                except KeeperError:
-                    pass  # the link is gone: the turn's opening fails next, as the CLI's transport closing
-                return
-        # In the store: an older keeper's turn, or one whose note its hello could not carry.
-        await channel.ack()  # the record says the same offset
+        note = KeeperNote(turn=turn, session=session.snapshot()).model_dump_json() if channel.takes_notes else None
+        if note is not None and note_fits(note):
+            try:
+                await input_ready()
+            except Exception as exc:  # noqa: BLE001 - nothing was sent: raised past the driver's turn
+                raise InputNotReady(exc) from exc
+            try:
+                channel.note_with_input(note)  # nothing to wait for: it goes with the input's own write
+            except KeeperError:
+                pass  # the link is gone: the turn's opening fails next, as the CLI's transport closing
+            return
+        # In the store, beside the input's waits: an older keeper's turn, or one whose note its
+        # hello could not carry.
+        failed: list[Exception] = []
+
+        async def ready() -> None:
+            try:
+                await input_ready()
+            except Exception as exc:  # noqa: BLE001 - raised below, once the record is done
+                failed.append(exc)
+
+        await alongside(ready, lambda: self._record_turn(key, runtime, handle, session, turn))
+        if failed:
+            raise InputNotReady(failed[0])
+
+    async def _record_turn(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession,
+                           turn: KeeperTurn) -> None:
+        await handle.channel.ack()  # the record says the same offset
         # Not flushed to disk (sync=False; the receipt's commit flushes it): the record serves
         # a daemon that restarts while the keeper lives, and a keeper outlives only what the
         # machine outlives. A crash of the machine takes the keeper and the page cache alike;

@@ -425,22 +425,11 @@ class TurnRunner:
             handle, t_ctx = resident.keeper, ctx
 
             async def record_start(start: TurnStart) -> None:
-                # The turn's record is written while the claim reaches the disk (the record needs
-                # the turn's start, which the driver makes inside run_turn); the CLI's input
-                # waits for both. A failed wait is raised past the turn as itself (InputNotReady).
-                failed: list[Exception] = []
-
-                async def ready() -> None:
-                    try:
-                        await input_ready()
-                    except Exception as exc:  # noqa: BLE001 - raised below, once the record is done
-                        failed.append(exc)
-
-                await alongside(ready, lambda: keepers.begin_turn(key, job.runtime, handle, session, job, start,
-                                                                  status=t_ctx.status, started_at=t_ctx.started_at,
-                                                                  timings=t_ctx.timings))
-                if failed:
-                    raise InputNotReady(failed[0])
+                # The turn's record (SPEC 14) needs the turn's start, which the driver makes inside
+                # run_turn; the CLI's input waits for it and for the claim's flush and the proxy's
+                # begin. A failed wait is raised past the turn as itself (InputNotReady).
+                await keepers.begin_turn(key, job.runtime, handle, session, job, start, status=t_ctx.status,
+                                         started_at=t_ctx.started_at, timings=t_ctx.timings, input_ready=input_ready)
                 mark("turn_recorded")
 
             session.before_turn = record_start

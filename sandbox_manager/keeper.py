@@ -69,6 +69,7 @@ class KeeperChannel:
         self._stderr: deque[bytes] = deque()
         self._stderr_len = 0
         self._send_lock = anyio.Lock(fast_acquire=True)
+        self._note = b""  # a turn note's frame, sent with the next input (note_with_input)
 
     @classmethod
     async def open(cls, stream: ByteStream, *, from_offset: int = 0, expect: KeeperIdentity | None = None,
@@ -122,7 +123,13 @@ class KeeperChannel:
         data = _with_newline(line)
         frames = b"".join(wire.encode(wire.INPUT, data[i:i + wire.MAX_PAYLOAD])
                           for i in range(0, len(data), wire.MAX_PAYLOAD))
-        await self._send(frames)
+        note, self._note = self._note, b""
+        try:
+            await self._send(note + frames if note else frames)
+        except KeeperDetached as exc:
+            if note:
+                self._failure = exc  # the note went nowhere: no input may follow without it
+            raise
         self.input_sent += len(data)
 
     async def receive(self) -> bytes | None:
@@ -215,9 +222,11 @@ class KeeperChannel:
         """The keeper keeps a turn note (an image before them does not)."""
         return self.hello.turn_notes
 
-    async def write_note(self, note: str) -> None:
-        """The keeper's turn note from now on (every later hello gives it). Sent before the
-        turn's input on the same connection, the keeper has it whenever it has that input."""
+    def note_with_input(self, note: str) -> None:
+        """The keeper's turn note from the next input on (every later hello gives it): it goes
+        in front of that input, in the same write. The keeper handles frames in order, so it has
+        the note whenever it has the input, and a turn wakes it once, not twice. A note not sent
+        yet is replaced by the next one; none goes out with anything but an input."""
         if not self.takes_notes:
             raise KeeperError("this keeper keeps no turn note", reason="no_turn_notes")
         if self._failure is not None or self._ended:
@@ -225,11 +234,7 @@ class KeeperChannel:
         data = note.encode()
         if len(data) > wire.MAX_PAYLOAD:
             raise ValueError(f"a turn note of {len(data)} bytes is over the frame's {wire.MAX_PAYLOAD}")
-        try:
-            await self._send(wire.encode(wire.NOTE, data))
-        except KeeperDetached as exc:
-            self._failure = exc  # no input may follow a note the keeper did not get
-            raise
+        self._note = wire.encode(wire.NOTE, data)
 
     async def skip_to(self, offset: int, timeout_s: float = 10.0) -> None:
         """Read and drop the CLI's output up to ``offset``, a line boundary the previous daemon

@@ -45,12 +45,14 @@ class FakeBytes:
     def __init__(self, chunks: list[bytes]) -> None:
         self.chunks = deque(chunks)
         self.sent = bytearray()
+        self.writes = 0
         self.closed = False
 
     async def send_bytes(self, data: bytes) -> None:
         if self.closed:
             raise ExecStreamClosed("closed")
         self.sent += data
+        self.writes += 1
 
     async def receive_bytes(self) -> bytes:
         await anyio.lowlevel.checkpoint()

@@ -407,7 +407,7 @@ async def test_retire_leaves_a_reused_keeper_pid_alone(paths) -> None:
 
 
 async def test_the_turn_note_comes_back_with_every_hello_and_a_reattach_reads_to_its_offset(paths) -> None:
-    """SPEC 14's turn in flight kept by the keeper: the note written before a turn's input is
+    """SPEC 14's turn in flight kept by the keeper: the note written with a turn's input is
     in the next attach's hello (and the status'); the attach starts at the acknowledged offset
     and ``skip_to`` drops the output before the turn; an empty note clears it."""
     with anyio.fail_after(30):
@@ -421,7 +421,7 @@ async def test_the_turn_note_comes_back_with_every_hello_and_a_reattach_reads_to
         assert await ch.receive() == b'{"op":"echo","n":"between turns"}'
         turn_at = ch.offset  # read, not acknowledged: the store's offset stays at ``acked``
         note = json.dumps({"job": "j-1", "offset": turn_at, "text": "caf\u00e9"})
-        await ch.write_note(note)
+        ch.note_with_input(note)
         await ch.send(b'{"op":"echo","n":"the turn"}')
         assert await ch.receive() == b'{"op":"echo","n":"the turn"}'
         client.send_signal(signal.SIGKILL)  # the daemon dies mid-turn
@@ -433,7 +433,9 @@ async def test_the_turn_note_comes_back_with_every_hello_and_a_reattach_reads_to
         await ch.skip_to(json.loads(ch.hello.turn_note)["offset"])
         assert ch.offset == turn_at
         assert await ch.receive() == b'{"op":"echo","n":"the turn"}'  # the turn's output, from its start
-        await ch.write_note("")
+        ch.note_with_input("")
+        await ch.send(b'{"op":"echo","n":"after the turn"}')
+        assert await ch.receive() == b'{"op":"echo","n":"after the turn"}'
         await ch.detach()
         await reap(client)
         ch, client = await attach_local(paths, from_offset=acked, expect=ident)

@@ -2,7 +2,7 @@
 
 A LIVE turn on a keeper resident used to write its turn record to the store before the CLI's
 input (a store round trip in front of every turn; p90 18 ms under 16 chats). A keeper that
-takes notes is told the turn on the connection the input then follows, and the store is not
+takes notes is told the turn in the same write as the turn's input, and the store is not
 written; a keeper of an image before notes gets the store record as before. The next daemon
 reads the note from the keeper's hello (``runner.readopt``) and reads past the output before
 the turn began. Real :class:`KeeperChannel` over in-memory bytes; the local keeper process's
@@ -12,15 +12,18 @@ side is in ``test_keeper_local``.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 
 from drivers.session import TurnStart
 from runner.keepers import KeeperHandle, Keepers
 from runner.readopt import _with_note
+from runner.turn_context import InputNotReady
 from sandbox_manager import keeper_wire as wire
 from sandbox_manager.keeper import KeeperChannel
 from sandbox_manager.keeper_errors import KeeperDetached
@@ -60,20 +63,31 @@ async def attached(*, notes: bool) -> tuple[KeeperHandle, FakeBytes]:
     return KeeperHandle(channel, KeeperPaths.in_run_dir("/run/m1"), "ctr-1", "/run/m1"), stream
 
 
-async def begin(handle: KeeperHandle, store: CountingStore) -> None:
+async def nothing_to_wait_for() -> None:
+    pass
+
+
+async def begin(handle: KeeperHandle, store: CountingStore, job: Job = JOB,
+                input_ready: Callable[[], Awaitable[None]] = nothing_to_wait_for) -> None:
     keepers = Keepers(store, SimpleNamespace(config=SimpleNamespace(host_id="h1")),  # type: ignore[arg-type]
                       buffer_bytes=1 << 20)
-    await keepers.begin_turn(KEY, "pi", handle, Session(), JOB, TurnStart(turn=2),  # type: ignore[arg-type]
-                             status=ContextStatus.LIVE, started_at=STARTED, timings=Timings(sandbox=3))
+    await keepers.begin_turn(KEY, "pi", handle, Session(), job, TurnStart(turn=2),  # type: ignore[arg-type]
+                             status=ContextStatus.LIVE, started_at=STARTED, timings=Timings(sandbox=3),
+                             input_ready=input_ready)
 
 
-async def test_a_keeper_that_takes_notes_is_told_the_turn_and_the_store_is_not_written() -> None:
+async def test_a_keeper_that_takes_notes_is_told_the_turn_with_its_input_and_the_store_is_not_written() -> None:
     handle, stream = await attached(notes=True)
     store = CountingStore()
     await begin(handle, store)
     assert store.keepers == []
+    assert [kind for kind, _ in stream.frames()] == [b"A"]  # the note waits for the input
+    await handle.channel.send(b'{"type":"prompt"}')
+    assert stream.writes == 2  # the attach, then the note and the input in one write (the keeper wakes once)
     kinds = [kind for kind, _ in stream.frames()]
-    assert kinds == [b"A", b"T"]  # no acknowledgement: the store's offset stays where it was
+    assert kinds == [b"A", b"T", b"I"]  # no acknowledgement: the store's offset stays where it was
+    await handle.channel.send(b'{"type":"steer"}')
+    assert [kind for kind, _ in stream.frames()] == [b"A", b"T", b"I", b"I"]  # one note a turn
     note = KeeperNote.model_validate_json(stream.frames()[1][1])
     assert note.session == {"turns": 1, "session_id": "s-1"}
     assert note.turn.offset == len(BETWEEN) and handle.channel.acked == 0
@@ -154,18 +168,64 @@ async def test_no_note_leaves_the_record_as_the_store_has_it() -> None:
 
 
 async def test_a_note_the_keeper_never_got_lets_no_input_follow() -> None:
-    """The link died between turns: the note's send fails quietly and the turn's opening then
-    fails as the CLI's transport closing (test_dead_resident: transport_closed, then RESTORED),
-    never reaching a keeper that has no note of it."""
+    """The link died between turns: the note's write (the input's) fails, and the turn's opening
+    with it, as the CLI's transport closing (test_dead_resident: transport_closed, then
+    RESTORED); no input reaches the keeper without its note after that."""
     handle, stream = await attached(notes=True)
     stream.closed = True
     store = CountingStore()
     await begin(handle, store)
     assert store.keepers == []
+    with pytest.raises(KeeperDetached, match="the keeper link is gone"):
+        await handle.channel.send(b'{"type":"prompt"}')
     stream.closed = False  # even a link that would take the next bytes gets no input now
     with pytest.raises(KeeperDetached, match="the keeper link is gone"):
         await handle.channel.send(b'{"type":"prompt"}')
     assert [kind for kind, _ in stream.frames()] == [b"A"]
+
+
+async def test_a_failed_wait_for_the_input_leaves_no_note_to_send() -> None:
+    """The claim's flush failed: raised as InputNotReady, and the next input carries no note of
+    a turn the CLI never got."""
+    handle, stream = await attached(notes=True)
+
+    async def disk_failed() -> None:
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(InputNotReady) as raised:
+        await begin(handle, CountingStore(), input_ready=disk_failed)
+    assert isinstance(raised.value.cause, OSError)
+    await handle.channel.send(b'{"type":"prompt"}')
+    assert [kind for kind, _ in stream.frames()] == [b"A", b"I"]
+
+
+async def test_an_older_keepers_record_is_written_while_the_input_waits() -> None:
+    """The store record is begun beside the input's waits (the claim's flush, the proxy's
+    begin), and begin_turn returns once both are done; a failed wait is raised after it."""
+    handle, _ = await attached(notes=False)
+    store = CountingStore()
+    on_disk = anyio.Event()
+    seen: list[int] = []
+
+    async def flushed() -> None:
+        await on_disk.wait()
+        seen.append(len(store.keepers))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: begin(handle, store, input_ready=flushed))
+        with anyio.fail_after(5):
+            while not store.keepers:
+                await anyio.sleep(0.01)
+        assert seen == []  # written while the flush is on its way
+        on_disk.set()
+    assert seen == [1]
+
+    async def disk_failed() -> None:
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(InputNotReady):
+        await begin(handle, store, input_ready=disk_failed)
+    assert len(store.keepers) == 2  # the record is done before the failure is raised
 
 
 async def test_a_note_the_keepers_hello_could_not_carry_goes_to_the_store() -> None:
@@ -175,10 +235,7 @@ async def test_a_note_the_keepers_hello_could_not_carry_goes_to_the_store() -> N
     handle, stream = await attached(notes=True)
     store = CountingStore()
     big = JOB.model_copy(update={"message": "\u00e9" * (3 << 20)})
-    keepers = Keepers(store, SimpleNamespace(config=SimpleNamespace(host_id="h1")),  # type: ignore[arg-type]
-                      buffer_bytes=1 << 20)
-    await keepers.begin_turn(KEY, "pi", handle, Session(), big, TurnStart(turn=2),  # type: ignore[arg-type]
-                             status=ContextStatus.LIVE, started_at=STARTED, timings=Timings())
+    await begin(handle, store, big)
     assert [kind for kind, _ in stream.frames()] == [b"A", b"K"]
     [(rec, sync)] = store.keepers
     assert rec.turn is not None and Job.model_validate_json(rec.turn.job_json).message == big.message

@@ -8,7 +8,7 @@ import itertools
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +39,7 @@ from runner.model_path import ModelPath
 from runner.residents import ResidentPool
 from runner.turn import TestHooks as Hooks  # not collected as a test class
 from runner.turn import TurnRunner
+from runner.turn_context import InputNotReady
 from sandbox_manager.sandbox_config import SandboxConfig
 from sandbox_manager.sandboxes import SandboxManager
 from state.jobs import Job
@@ -640,17 +641,23 @@ async def test_a_claim_that_cannot_reach_the_disk_fails_the_job_before_the_cli_s
 
 class RecordingKeepers:
     """The runner's keepers as far as a LIVE turn on a keeper resident uses them: the turn's
-    record before its opening (``begin_turn``), none between turns."""
+    record before its opening (``begin_turn``, which returns once the input may go and raises a
+    failed wait as InputNotReady, as ``runner.keepers`` does: test_keeper_notes), none between
+    turns."""
 
     def __init__(self, script: Script, claim_pending: Callable[[], bool]) -> None:
         self.script, self.claim_pending = script, claim_pending
         self.began: list[tuple[str, bool, int]] = []  # (job, claim still on its way, messages the CLI had)
         self.release = anyio.Event()
 
-    async def begin_turn(self, key: Any, runtime: str, handle: Any, session: Any, job: Job, start: Any,
-                         **_: Any) -> None:
+    async def begin_turn(self, key: Any, runtime: str, handle: Any, session: Any, job: Job, start: Any, *,
+                         input_ready: Callable[[], Awaitable[None]], **_: Any) -> None:
         self.began.append((job.job_id, self.claim_pending(), len(self.script.messages)))
         await self.release.wait()
+        try:
+            await input_ready()
+        except Exception as exc:
+            raise InputNotReady(exc) from exc
 
     def after_turn(self, *_: Any) -> None:
         return None

@@ -74,6 +74,8 @@ class Settings(BaseModel):
     resident_memory_mb: int | None = Field(default=None, ge=1,
                                            description="CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the host's")
     memory_refresh_s: float = Field(default=5.0, gt=0, description="CLOUD_AGENT_MEMORY_REFRESH_S: reading period")
+    memory_pss_every_s: float = Field(default=60.0, ge=0, description="CLOUD_AGENT_MEMORY_PSS_EVERY_S: the PSS "
+                                      "gauge's reading period (smaps_rollup; 0: every reading period)")
     sandbox_disk_mb: int | None = Field(default=10240, ge=1,
                                         description="CLOUD_AGENT_SANDBOX_DISK_MB: per-sandbox disk bound")
     retain_days: float | None = Field(default=30.0, gt=0,
@@ -198,6 +200,7 @@ _ENV = {
     "CLOUD_AGENT_MAX_RUNNING_SANDBOXES": "max_running_sandboxes", "CLOUD_AGENT_QUEUE_TIMEOUT_S": "queue_timeout_s",
     "CLOUD_AGENT_MAX_LAUNCHES": "max_launches",
     "CLOUD_AGENT_RESIDENT_MEMORY_MB": "resident_memory_mb", "CLOUD_AGENT_MEMORY_REFRESH_S": "memory_refresh_s",
+    "CLOUD_AGENT_MEMORY_PSS_EVERY_S": "memory_pss_every_s",
     "CLOUD_AGENT_SANDBOX_DISK_MB": "sandbox_disk_mb", "CLOUD_AGENT_RETAIN_DAYS": "retain_days",
     "CLOUD_AGENT_SWEEP_INTERVAL_S": "sweep_interval_s",
     "CLOUD_AGENT_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",

@@ -40,7 +40,8 @@ class BudgetMetrics:
                                "What the budget counts: each resident's peak RSS (its runtime's estimate "
                                "until read or while in a turn) plus launches in progress.", registry=r)
         self.pss = Gauge("cloud_agent_resident_memory_pss_bytes",
-                         "PSS of the same trees (pages they share counted once).", registry=r)
+                         "PSS of the same trees (pages they share counted once), read every "
+                         "CLOUD_AGENT_MEMORY_PSS_EVERY_S.", registry=r)
         self.retirements = Counter("cloud_agent_resident_memory_retirements",
                                    "Idle residents retired for the budget, by cause (launch: room for a new "
                                    "resident; turn: room for a turn to grow its resident; over_budget: growth "
@@ -54,11 +55,14 @@ class BudgetMetrics:
 
 class ResidentMemory:
     def __init__(self, budget_bytes: int, *, pool: ResidentPool, locks: MemberLocks, registry: CollectorRegistry,
-                 refresh_s: float, report_every_s: float = 30.0, reader: ProcMemory | None = None) -> None:
+                 refresh_s: float, report_every_s: float = 30.0, reader: ProcMemory | None = None,
+                 pss_every_s: float = 60.0) -> None:
         self.policy = BudgetPolicy(budget_bytes)
         self.pool = pool
         self.locks = locks
         self.refresh_s = refresh_s
+        self.pss_every_s = pss_every_s
+        self._pss_read_at: float | None = None
         self.report_every_s = report_every_s
         self.reader = reader or ProcMemory()
         self.metrics = BudgetMetrics(registry)
@@ -286,8 +290,17 @@ class ResidentMemory:
     # -- the periodic check -----------------------------------------------------------------------
 
     async def check(self) -> int:
-        """Growth of residents in turns: retire LRU idle ones until back under the budget."""
-        await self.refresh(pss=True)
+        """Growth of residents in turns: retire LRU idle ones until back under the budget.
+
+        Every ``pss_every_s`` the reading takes PSS too, for its gauge. ``smaps_rollup`` walks
+        every mapping of every process, and a Node or Bun CLI maps tens of GB: read at every
+        check (5 s), the daemon's threads spent 13 and 40 ms a turn under 16 chats of OpenCode
+        and Kilo (tests/bench/bench_supervisor.py), against 1-3 for the other CLIs."""
+        now = time.monotonic()
+        pss = self._pss_read_at is None or now - self._pss_read_at >= self.pss_every_s
+        await self.refresh(pss=pss)
+        if pss:
+            self._pss_read_at = now
         # Only residents that stay count here: launches in progress already made their room,
         # and a resident being retired is on its way out (counting either would retire a
         # second idle resident for a moment's overlap).

@@ -115,7 +115,8 @@ class Supervisor:
                                      metrics=self.capacity_metrics, on_stopped=self.model_path.close)
         self.sweeps = Sweeps(store=store, capacity=self.capacity, retain_days=settings.retain_days)
         self.memory = ResidentMemory(settings.resident_memory_bytes(), pool=self.pool, locks=self.locks,
-                                     registry=self.metrics.registry, refresh_s=settings.memory_refresh_s)
+                                     registry=self.metrics.registry, refresh_s=settings.memory_refresh_s,
+                                     pss_every_s=settings.memory_pss_every_s)
         self.launch_slots = LaunchSlots(settings.max_launches or default_slots(), self.metrics.registry)
         self.runner = TurnRunner(store=store, manager=manager, pool=self.pool, model_path=self.model_path,
                                  models=settings.models,

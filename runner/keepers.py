@@ -141,29 +141,26 @@ class Keepers:
                           offset=channel.offset, context_status=status.value if status else None,
                           started_at=started_at, timings_json=timings.model_dump_json())
         note = KeeperNote(turn=turn, session=session.snapshot()).model_dump_json() if channel.takes_notes else None
-        if note is not None and note_fits(note):
-            try:
-                await input_ready()
-            except Exception as exc:  # noqa: BLE001 - nothing was sent: raised past the driver's turn
-                raise InputNotReady(exc) from exc
-            try:
-                channel.note_with_input(note)  # nothing to wait for: it goes with the input's own write
-            except KeeperError:
-                pass  # the link is gone: the turn's opening fails next, as the CLI's transport closing
-            return
-        # In the store, beside the input's waits: an older keeper's turn, or one whose note its
-        # hello could not carry.
+        noted = note if note is not None and note_fits(note) else None  # else the turn goes to the store
         failed: list[Exception] = []
 
         async def ready() -> None:
             try:
                 await input_ready()
-            except Exception as exc:  # noqa: BLE001 - raised below, once the record is done
+            except Exception as exc:  # noqa: BLE001 - raised below, once any record is done
                 failed.append(exc)
 
-        await alongside(ready, lambda: self._record_turn(key, runtime, handle, session, turn))
+        if noted is not None:
+            await ready()  # the note has nothing to wait for: it goes with the input's own write
+        else:  # in the store, beside the input's waits: an older keeper's turn, or a note too large
+            await alongside(ready, lambda: self._record_turn(key, runtime, handle, session, turn))
         if failed:
-            raise InputNotReady(failed[0])
+            raise InputNotReady(failed[0])  # nothing was sent: raised past the driver's turn
+        if noted is not None:
+            try:
+                channel.note_with_input(noted)
+            except KeeperError:
+                pass  # the link is gone: the turn's opening fails next, as the CLI's transport closing
 
     async def _record_turn(self, key: MemberKey, runtime: str, handle: KeeperHandle, session: NativeSession,
                            turn: KeeperTurn) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import inspect
 import os
 import random
@@ -54,7 +55,7 @@ from deploy.loopback import LoopbackFixture
 from drivers.models import Locator
 from drivers.transport import Transport, TransportWrapper
 from images.build import ensure_image
-from runner import event_loop
+from runner import event_loop, heap
 from runner.loopback_child import loopback_child
 from runner.processes import member_paths, start_in_sandbox
 from runner.transport import exec_transport
@@ -125,6 +126,7 @@ def cpu_by_process() -> dict[str, float]:
             continue
         key = "  its loop thread" if tid == str(os.getpid()) else "  its other threads"
         out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    out[GC_KEY] = GC_CLOCK.seconds
     out["all"] = _cpu_busy_idle()[0] / tick
     forks = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("processes "))
     out[FORKS] = float(forks.split()[1])
@@ -132,6 +134,26 @@ def cpu_by_process() -> dict[str, float]:
 
 
 FORKS = "processes started"  # a count, not CPU seconds: reported per turn as it is
+GC_KEY = "  this process's garbage collector"  # this process's collections (within its threads' CPU)
+
+
+class GcClock:
+    """The time this process spent in the cyclic garbage collector (a collection holds the GIL
+    from its start callback to its stop callback): the daemon's and the bare arm's drivers'
+    collections, side by side in the CPU table."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._started
+
+
+GC_CLOCK = GcClock()
 
 
 async def quiet_host(max_s: float, busy_below: float = 0.10, window_s: float = 0.05) -> None:
@@ -163,7 +185,7 @@ def cpu_per_turn(before: dict[str, float], after: dict[str, float], turns: int) 
     :data:`WAY` processes' (the small ones too)."""
     out = {k: (after[k] - before.get(k, 0.0)) * (1 if k == FORKS else 1000) / turns for k in after}
     way = sum(v for k, v in out.items() if k.removesuffix(" (children)") in WAY)
-    kept = dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k == FORKS), key=lambda kv: -kv[1]))
+    kept = dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k in (FORKS, GC_KEY)), key=lambda kv: -kv[1]))
     return {**kept, WAY_KEY: way}
 
 
@@ -662,6 +684,9 @@ async def main(args: argparse.Namespace) -> None:
             sup = d.daemon.supervisor
             if args.client in ("process", "lean"):
                 d.remote = await RemoteClient.start(d.url, TOKEN, client_tg, lean=args.client == "lean")
+            if not args.no_freeze:  # as `cloud-agent serve` does once ready (runner.heap)
+                heap.freeze_startup()
+            gc.callbacks.append(GC_CLOCK)
             try:
                 # first, on a quiet host: after the throughput run the load average is ~15 for a while
                 create_mgr, create_same, create_raw = await bench_create(sup, image, args.create_samples or max(3, args.n // 4))
@@ -897,6 +922,9 @@ if __name__ == "__main__":
                     help="the daemon's resident memory budget (CLOUD_AGENT_RESIDENT_MEMORY_MB; default half the "
                          "host's). The bare arm has none: 16 Kilo residents measured over 768 MiB each exceed half "
                          "of 24 GiB, the daemon retires idle ones and their turns come back RESTORED")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave this process's start-up objects to the garbage collector's full collections "
+                         "(`cloud-agent serve` freezes them once ready: runner.heap; so does this bench by default)")
     ap.add_argument("--fixture-in-process", action="store_true",
                     help="the loopback fixture in this process (on its own threads, sharing the daemon's GIL) "
                          "instead of a process of its own as `cloud-agent serve` runs it")

@@ -20,7 +20,8 @@ runs it; ``--fixture-in-process`` for this process's threads, as before), the pi
 3. First event latency: the CLI's stdout line as the transport reads it → the API client's
    NDJSON line of the event it became (p50).
 4. Throughput: ``--chats`` chats × ``--rounds`` LIVE turns dispatched concurrently through the
-   daemon ÷ the same number of bare sessions (one per chat container) driven concurrently.
+   daemon ÷ the same number of bare sessions (one per chat container) driven concurrently;
+   with ``--tp-blocks K``, K pairs of such blocks, alternated, both arms' sessions alive at once.
 
 Once: sandbox create+start (SandboxManager.resolve of a new chat) ÷ raw SDK create+start of a bare
 container, and ÷ the engine calls that make the same sandbox (volume, container spec, start).
@@ -201,6 +202,18 @@ def way_line(runtime: str, d: dict[str, float], b: dict[str, float]) -> str:
             f"allows {b['all'] / 0.9:.1f} ms a turn, {b['all'] / 0.9 - b['all']:.1f} over its {b['all']:.1f}")
 
 
+def table_order(keys: list[str], by: dict[str, float]) -> list[str]:
+    """Processes by CPU (``by``), largest first, each of this process's threads' rows (indented)
+    right under this process's own."""
+    ours = sorted((k for k in keys if k.startswith("  ")), key=lambda k: -by.get(k, 0.0))
+    out: list[str] = []
+    for k in sorted((k for k in keys if not k.startswith("  ")), key=lambda k: -by.get(k, 0.0)):
+        out.append(k)
+        if k == "python bench_supervisor.py":
+            out += ours
+    return out if "python bench_supervisor.py" in keys else out + ours
+
+
 def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -314,6 +327,78 @@ def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
             + [("client_got_receipt", ms - (trace.marks[-1][1] - t0) / 1e6)])
 
 
+MEM_SPARE = 0.25  # of the host's memory, left free with both throughput arms' sessions alive at once
+
+
+def _meminfo(key: str) -> int:
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith(f"{key}:"))
+    return int(line.split()[1]) * 1024
+
+
+def mem_available() -> int:
+    return _meminfo("MemAvailable")
+
+
+def mem_total() -> int:
+    return _meminfo("MemTotal")
+
+
+async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bares: list[Bare],
+                            warm_bare: Callable[[str], Any], daemon_chat: Callable[[str], Any],
+                            bare_chat: Callable[[Bare], Any], blocks: int, rounds: int) -> None:
+    """``--tp-blocks``: the bare sessions start beside the daemon's residents (same containers,
+    member ``bare``), then the arms take turns, block by block: in pairs, daemon then bare, bare
+    then daemon, and so on (a drift of the host's speed over a pair counts against each arm
+    alike). One block each, as without it, leaves each arm to its own moment of the host, whose
+    speed moves by up to 2x in minutes: seven runs of the same tree gave ratios of 0.67-1.02.
+    Throughput is each arm's turns over its blocks' time; each pair's ratio is printed too."""
+    async with anyio.create_task_group() as tg:
+        for c in conc:
+            tg.start_soon(warm_bare, c)
+    await anyio.sleep(SETTLE_S)
+    spent: dict[str, dict[str, float]] = {"d": {}, "b": {}}
+    seconds = {"d": 0.0, "b": 0.0}
+    turns = {"d": 0, "b": 0}
+    pairs: list[float] = []
+    engine_calls: list[str] = []  # the daemon arm's engine calls, by the SDK function's name
+    engine, real_call = sup.manager.engine, sup.manager.engine._call
+
+    async def counted_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        engine_calls.append(getattr(fn, "__qualname__", repr(fn)).split(".<locals>")[0])
+        return await real_call(fn, *args, **kwargs)
+
+    for i in range(blocks):
+        rate: dict[str, float] = {}
+        for arm in ("d", "b") if i % 2 == 0 else ("b", "d"):
+            await quiet_host(SETTLE_S)  # the last block's after-turn work (OpenCode, Kilo) is not this one's
+            t = time.perf_counter()
+            cpu0 = cpu_by_process()
+            engine._call = counted_call if arm == "d" else real_call
+            try:
+                async with anyio.create_task_group() as tg:
+                    if arm == "d":
+                        for c in conc:
+                            tg.start_soon(daemon_chat, c)
+                    else:
+                        for b in bares:
+                            tg.start_soon(bare_chat, b)
+            finally:
+                engine._call = real_call
+            took = time.perf_counter() - t
+            for k, v in cpu_by_process().items():
+                spent[arm][k] = spent[arm].get(k, 0.0) + v - cpu0.get(k, 0.0)
+            n = (len(conc) if arm == "d" else len(bares)) * rounds
+            seconds[arm] += took
+            turns[arm] += n
+            rate[arm] = n / took
+        pairs.append(rate["d"] / rate["b"])
+    out["tp_d"], out["tp_b"] = turns["d"] / seconds["d"], turns["b"] / seconds["b"]
+    out["cpu_d"] = cpu_per_turn({}, spent["d"], turns["d"])
+    out["cpu_b"] = cpu_per_turn({}, spent["b"], turns["b"])
+    out["tp_pairs"] = pairs
+    out["engine_calls"] = {k: v / turns["d"] for k, v in sorted(Counter(engine_calls).items())}
+
+
 async def mixed_window(d: Any, job: Callable[..., dict[str, Any]], conc: list[str], bares: list[Bare], runtime: str,
                        warm_turns: int, seconds: float, failures: list[str]) -> tuple[int, int]:
     """Half the chats through the daemon and the other half's bare sessions, all at once for
@@ -365,7 +450,7 @@ async def mixed_window(d: Any, job: Callable[..., dict[str, Any]], conc: list[st
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
                         traces: dict[str, Any], keeper_arm: bool = False, restored: int = 3,
                         warm_turns: int = 1, quiet_s: float = 0.0, instances: int = 1,
-                        mixed_s: float = 0.0) -> dict[str, Any]:
+                        mixed_s: float = 0.0, tp_blocks: int = 1) -> dict[str, Any]:
     sup = d.daemon.supervisor
     user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
 
@@ -508,9 +593,12 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
             if not r or r["outcome"] != "succeeded":
                 failures.append(f"warm {r and r.get('reason')}")
 
+    available_before = mem_available()
     async with anyio.create_task_group() as tg:
         for c in conc:
             tg.start_soon(warm, c)
+    # what the chats' sandboxes and residents took: as much again for the bare sessions
+    sessions_took = available_before - mem_available()
 
     tp_rows: list[list[tuple[str, float]]] = []
     tp_lat_d: list[float] = []
@@ -546,6 +634,14 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
             await b.turn(f"conc {k}")
             tp_lat_b.append((time.perf_counter_ns() - t) / 1e6)
 
+    if tp_blocks > 1:
+        room = mem_available() - sessions_took
+        if room > MEM_SPARE * mem_total():
+            await alternated_blocks(out, sup, conc, bares, warm_bare, daemon_chat, bare_chat, tp_blocks, rounds)
+            return await after_throughput(out, d, sup, user, runtime, conc, bares, failures, job, warm_turns, mixed_s,
+                                          tp_rows, tp_lat_d, tp_lat_b)
+        print(f"{runtime}: one block per throughput arm: {len(conc)} bare sessions beside the daemon's residents "
+              f"would leave {room / 2**30:.1f} GiB of memory (they took {sessions_took / 2**30:.1f})", flush=True)
     await anyio.sleep(SETTLE_S)
     engine_calls: list[str] = []  # the daemon arm's engine calls, by the SDK function's name
     engine, real_call = sup.manager.engine, sup.manager.engine._call
@@ -585,6 +681,14 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
             tg.start_soon(bare_chat, b)
     out["tp_b"] = len(bares) * rounds / (time.perf_counter() - t)
     out["cpu_b"] = cpu_per_turn(cpu0, cpu_by_process(), len(bares) * rounds)
+    return await after_throughput(out, d, sup, user, runtime, conc, bares, failures, job, warm_turns, mixed_s,
+                                  tp_rows, tp_lat_d, tp_lat_b)
+
+
+async def after_throughput(out: dict[str, Any], d: Any, sup: Any, user: str, runtime: str, conc: list[str],
+                           bares: list[Bare], failures: list[str], job: Callable[..., dict[str, Any]],
+                           warm_turns: int, mixed_s: float, tp_rows: list[list[tuple[str, float]]],
+                           tp_lat_d: list[float], tp_lat_b: list[float]) -> dict[str, Any]:
     if failures:  # a run with failures still prints its figures, and says what failed
         print(f"{runtime}: {len(failures)} failures: {sorted(set(failures))}; residents retired for the memory "
               f"budget so far, by cause: {budget_retirements(sup) or 'none'}", flush=True)
@@ -695,7 +799,8 @@ async def main(args: argparse.Namespace) -> None:
                     results[runtime] = await bench_runtime(d, runtime, args.n, args.chats, args.rounds, stamps,
                                                            traces, keeper_arm=args.keeper_arm, restored=args.restored,
                                                            warm_turns=args.warm_turns, quiet_s=args.quiet_s,
-                                                           instances=args.instances, mixed_s=args.mixed_s)
+                                                           instances=args.instances, mixed_s=args.mixed_s,
+                                                           tp_blocks=args.tp_blocks)
                     # printed as each CLI finishes: a run cut short still leaves its figures
                     print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
                     print_phases({runtime: results[runtime]})
@@ -740,6 +845,10 @@ def row(runtime: str, r: dict[str, Any]) -> str:
     line += f"\n  {runtime}: LIVE added p50, 95% interval [{lo:.1f}, {hi:.1f}] ms over {len(r['live_d'])} turn pairs"
     if len(r["live_d"]) >= 40:
         line += f"\n  {runtime}: {by_history(r['live_d'], r['live_b'], r.get('instances', 1))}"
+    if r.get("tp_pairs"):
+        pairs = r["tp_pairs"]
+        line += (f"\n  {runtime}: throughput ratio by block pair ({len(pairs)} alternated): "
+                 f"{', '.join(f'{x:.3f}' for x in pairs)}; median {statistics.median(pairs):.3f}")
     if r["failures"]:
         line += f"\n  failures: {r['failures']}"
     return line
@@ -862,13 +971,11 @@ def print_phases(results: dict[str, dict[str, Any]]) -> None:
         if r.get("cpu_live_d") and r.get("cpu_live_b"):
             print(f"{rt}: CPU ms per LIVE turn, one at a time, by process (daemon arm | bare arm)")
             d, b = r["cpu_live_d"], r["cpu_live_b"]
-            for k in sorted((k for k in set(d) | set(b) if max(d.get(k, 0.0), b.get(k, 0.0)) >= 0.5),
-                            key=lambda k: -d.get(k, 0.0)):
+            for k in table_order([k for k in set(d) | set(b) if max(d.get(k, 0.0), b.get(k, 0.0)) >= 0.5], d):
                 print(f"  {k:36} {d.get(k, 0.0):8.1f} {b.get(k, 0.0):8.1f}")
         if r.get("cpu_d") and r.get("cpu_b"):
             print(f"{rt}: CPU ms per turn under the throughput run, by process (daemon arm | bare arm)")
-            for k in sorted(set(r["cpu_d"]) - {WAY_KEY} | set(r["cpu_b"]) - {WAY_KEY},
-                            key=lambda k: -r["cpu_d"].get(k, 0.0)):
+            for k in table_order(list(set(r["cpu_d"]) - {WAY_KEY} | set(r["cpu_b"]) - {WAY_KEY}), r["cpu_d"]):
                 print(f"  {k:36} {r['cpu_d'].get(k, 0.0):8.1f} {r['cpu_b'].get(k, 0.0):8.1f}")
             print(way_line(rt, r["cpu_d"], r["cpu_b"]))
         if r.get("engine_calls") is not None:
@@ -908,6 +1015,11 @@ if __name__ == "__main__":
                     help="CLI processes per LIVE arm (daemon members m1..mK, bare sessions bare1..bareK in the "
                          "same container), taken in turn: two OpenCode or Kilo processes differ by ~10 ms of "
                          "their own work a turn, which one process per arm counts as the supervisor's")
+    ap.add_argument("--tp-blocks", type=int, default=1,
+                    help="the throughput arms in this many pairs of blocks of --rounds turns a chat, alternated "
+                         "(daemon-bare, bare-daemon, ...) with both arms' sessions alive at once, where memory "
+                         "allows; the default, one block each, runs the bare arm after the daemon's residents "
+                         "are retired")
     ap.add_argument("--mixed-s", type=float, default=0.0,
                     help="after the throughput run: half the chats through the daemon and half bare, at once for "
                          "this long; the turns each arm completed in the same window")

@@ -3,7 +3,13 @@ the CLI in each arm, small processes included, against what a ratio of 0.90 allo
 
 from __future__ import annotations
 
-from tests.bench.bench_supervisor import FORKS, WAY_KEY, cpu_per_turn, way_line
+from tests.bench.bench_supervisor import (
+    FORKS,
+    WAY_KEY,
+    cpu_per_turn,
+    table_order,
+    way_line,
+)
 
 
 def test_the_way_to_the_cli_counts_its_small_processes_and_nothing_else() -> None:
@@ -26,3 +32,11 @@ def test_the_line_says_what_the_ratio_is_made_of() -> None:
         "WAL flusher | this process's driver, dockerd, containerd, the shim): 9.0 | 5.0, the supervisor's share "
         "+4.0; everything else (the CLI, the fixture) 9.0 | 8.5; 0.90 of the bare arm's turns a second allows "
         "15.0 ms a turn, 1.5 over its 13.5")
+
+
+def test_the_table_puts_this_processs_threads_under_it() -> None:
+    by = {"all": 20.0, "pi": 7.0, "python bench_supervisor.py": 5.0, "  its loop thread": 4.0,
+          "  its other threads": 1.0, "  this process's garbage collector": 0.1, "python deploy.loopback": 1.4}
+    assert table_order(list(reversed(by)), by) == [
+        "all", "pi", "python bench_supervisor.py", "  its loop thread", "  its other threads",
+        "  this process's garbage collector", "python deploy.loopback"]

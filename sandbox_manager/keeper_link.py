@@ -20,9 +20,11 @@ engine), :func:`link_direct` returns ``None`` and the caller keeps the attached 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import struct
+from typing import cast
 
 import anyio
 import anyio.abc
@@ -43,34 +45,136 @@ class NoDirectLink(Exception):
     """The host cannot link to this keeper itself; the message says why."""
 
 
-class SocketBytes:
-    """A connected unix socket as a keeper byte stream (sandbox_manager.keeper_bytes.ByteStream), on
-    anyio's socket stream as an exec's is (sandbox_manager.exec_stream): its close wakes a read
-    or a send in flight (a retire closes the link under a turn that is reading it), ``b""``
-    once the peer is gone, :class:`ExecStreamClosed` for a send that cannot be made."""
+HIGH_WATER = 1 << 20  # bytes read and not yet taken: the socket is not read further meanwhile
 
-    def __init__(self, stream: anyio.abc.SocketStream) -> None:
-        self.stream = stream
+
+class _Link(asyncio.Protocol):
+    """The socket's side on the event loop: it stays registered with the loop for the link's
+    life, and what arrives is kept until :meth:`SocketBytes.receive_bytes` takes it."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.ended = False  # the peer closed, or the connection was lost or closed here
+        self.paused_writing = False
+        self.reading_paused = False
+        self._reader: asyncio.Future[None] | None = None
+        self._writers: list[asyncio.Future[None]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's does not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.buffered += len(data)
+        if self.buffered > HIGH_WATER and not self.reading_paused and self.transport is not None:
+            self.transport.pause_reading()
+            self.reading_paused = True
+        self._wake_reader()
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        self._wake_reader()
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        self.paused_writing = False
+        self._wake_reader()
+        self._wake_writers()
+
+    def pause_writing(self) -> None:
+        self.paused_writing = True
+
+    def resume_writing(self) -> None:
+        self.paused_writing = False
+        self._wake_writers()
+
+    async def readable(self) -> None:
+        self._reader = asyncio.get_running_loop().create_future()
+        try:
+            await self._reader
+        finally:
+            self._reader = None
+
+    async def writable(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._writers.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._writers:
+                self._writers.remove(waiter)
+
+    def _wake_reader(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.set_result(None)
+
+    def _wake_writers(self) -> None:
+        for waiter in self._writers:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._writers.clear()
+
+
+class SocketBytes:
+    """A connected unix socket as a keeper byte stream (sandbox_manager.keeper_bytes.ByteStream),
+    as a transport of the event loop's own: its close wakes a read or a send in flight (a retire
+    closes the link under a turn that is reading it), ``b""`` once the peer is gone,
+    :class:`ExecStreamClosed` for a send that cannot be made.
+
+    Why not anyio's socket stream (as an exec's is, sandbox_manager.exec_stream): each of its
+    reads and sends is a checkpoint (one more pass of the loop), and a read that finds nothing
+    adds the socket to the loop's poll and takes it out again once it is ready. A turn's lines
+    from the CLI come one read each: tests/bench/bench_link_stream.py measures both side by
+    side. Here the socket is registered once, and a read takes everything that arrived."""
+
+    def __init__(self, link: _Link) -> None:
+        self._link = link
+        self._closed = False
 
     @classmethod
     async def of(cls, sock: socket.socket) -> SocketBytes:
-        return cls(await anyio.abc.UNIXSocketStream.from_socket(sock))
+        _, link = await asyncio.get_running_loop().create_unix_connection(_Link, sock=sock)
+        return cls(link)
 
     async def send_bytes(self, data: bytes) -> None:
-        try:
-            await self.stream.send(data)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise ExecStreamClosed(f"the keeper's socket is gone: {exc!r}") from exc
+        link = self._link
+        transport = link.transport
+        if self._closed or link.ended or transport is None or transport.is_closing():
+            raise ExecStreamClosed("the keeper's socket is gone")
+        transport.write(data)  # at once when the socket has room; the rest as it drains
+        if not link.paused_writing:
+            return
+        while link.paused_writing and not self._closed and not link.ended:
+            await link.writable()  # a peer that stopped reading: as anyio's send, until it reads
+        if self._closed or link.ended:
+            raise ExecStreamClosed("the keeper's socket closed before it took the bytes")
 
     async def receive_bytes(self) -> bytes:
-        try:
-            return await self.stream.receive(65536)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            return b""
+        link = self._link
+        while not link.chunks:
+            if self._closed or link.ended:
+                return b""
+            await link.readable()
+        data = link.chunks[0] if len(link.chunks) == 1 else b"".join(link.chunks)
+        link.chunks.clear()
+        link.buffered = 0
+        if link.reading_paused and link.transport is not None and not link.ended:
+            link.reading_paused = False
+            link.transport.resume_reading()
+        return data
 
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            await self.stream.aclose()
+        if self._closed:
+            return
+        self._closed = True
+        link = self._link
+        if link.transport is not None:
+            link.transport.abort()  # as a socket's close: what was not sent is not sent
+        link._wake_reader()
+        link._wake_writers()
 
     def diagnostics(self) -> str:
         return ""

@@ -128,13 +128,16 @@ def cpu_by_process() -> dict[str, float]:
         key = "  its loop thread" if tid == str(os.getpid()) else "  its other threads"
         out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     out[GC_KEY] = GC_CLOCK.seconds
-    out["all"] = _cpu_busy_idle()[0] / tick
+    busy, idle = _cpu_busy_idle()
+    out["all"] = busy / tick
+    out[IDLE] = idle / tick
     forks = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("processes "))
     out[FORKS] = float(forks.split()[1])
     return out
 
 
 FORKS = "processes started"  # a count, not CPU seconds: reported per turn as it is
+IDLE = "idle (the host's CPUs, iowait too)"  # time no process could use: a wait, not work
 GC_KEY = "  this process's garbage collector"  # this process's collections (within its threads' CPU)
 
 
@@ -186,7 +189,7 @@ def cpu_per_turn(before: dict[str, float], after: dict[str, float], turns: int) 
     :data:`WAY` processes' (the small ones too)."""
     out = {k: (after[k] - before.get(k, 0.0)) * (1 if k == FORKS else 1000) / turns for k in after}
     way = sum(v for k, v in out.items() if k.removesuffix(" (children)") in WAY)
-    kept = dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k in (FORKS, GC_KEY)), key=lambda kv: -kv[1]))
+    kept = dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k in (FORKS, GC_KEY, IDLE)), key=lambda kv: -kv[1]))
     return {**kept, WAY_KEY: way}
 
 
@@ -344,14 +347,20 @@ def mem_total() -> int:
 
 
 async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bares: list[Bare],
-                            warm_bare: Callable[[str], Any], daemon_chat: Callable[[str], Any],
-                            bare_chat: Callable[[Bare], Any], blocks: int, rounds: int) -> None:
+                            warm_bare: Callable[[str], Any], daemon_turn: Callable[[str, int], Any],
+                            bare_turn: Callable[[Bare, int], Any], blocks: int, block_s: float) -> None:
     """``--tp-blocks``: the bare sessions start beside the daemon's residents (same containers,
     member ``bare``), then the arms take turns, block by block: in pairs, daemon then bare, bare
     then daemon, and so on (a drift of the host's speed over a pair counts against each arm
     alike). One block each, as without it, leaves each arm to its own moment of the host, whose
     speed moves by up to 2x in minutes: seven runs of the same tree gave ratios of 0.67-1.02.
-    Throughput is each arm's turns over its blocks' time; each pair's ratio is printed too."""
+
+    A block is a window of ``block_s`` seconds in which every chat takes turn after turn: its
+    throughput is the turns that ended in the window, and its CPU the window's. A fixed number
+    of turns a chat instead ends with a tail where fewer chats than cores still run, and the
+    arm whose turns vary more idles longer there (Pi, 16 chats x 4 turns: 1.2 ms a turn of
+    idle CPU in the daemon's blocks, 0.2 in the bare ones), which a host's steady load never
+    sees. Each pair's ratio is printed too."""
     async with anyio.create_task_group() as tg:
         for c in conc:
             tg.start_soon(warm_bare, c)
@@ -367,27 +376,40 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
         engine_calls.append(getattr(fn, "__qualname__", repr(fn)).split(".<locals>")[0])
         return await real_call(fn, *args, **kwargs)
 
+    async def window(arm: str) -> tuple[int, float, dict[str, float]]:
+        ended = 0
+        cpu_end: dict[str, float] = {}
+        t = time.perf_counter()
+        deadline = t + block_s
+        cpu0 = cpu_by_process()
+
+        async def chat(one: Any) -> None:
+            nonlocal ended, cpu_end
+            k = 0
+            while time.perf_counter() < deadline:
+                ok = await (daemon_turn(one, k) if arm == "d" else bare_turn(one, k))
+                k += 1
+                if time.perf_counter() <= deadline:
+                    ended += ok
+                elif not cpu_end:  # the first turn past the window: the window's CPU ends here
+                    cpu_end = cpu_by_process()
+
+        async with anyio.create_task_group() as tg:
+            for one in conc if arm == "d" else bares:
+                tg.start_soon(chat, one)
+        return ended, block_s, {k: v - cpu0.get(k, 0.0) for k, v in (cpu_end or cpu_by_process()).items()}
+
     for i in range(blocks):
         rate: dict[str, float] = {}
         for arm in ("d", "b") if i % 2 == 0 else ("b", "d"):
             await quiet_host(SETTLE_S)  # the last block's after-turn work (OpenCode, Kilo) is not this one's
-            t = time.perf_counter()
-            cpu0 = cpu_by_process()
             engine._call = counted_call if arm == "d" else real_call
             try:
-                async with anyio.create_task_group() as tg:
-                    if arm == "d":
-                        for c in conc:
-                            tg.start_soon(daemon_chat, c)
-                    else:
-                        for b in bares:
-                            tg.start_soon(bare_chat, b)
+                n, took, cpu = await window(arm)
             finally:
                 engine._call = real_call
-            took = time.perf_counter() - t
-            for k, v in cpu_by_process().items():
-                spent[arm][k] = spent[arm].get(k, 0.0) + v - cpu0.get(k, 0.0)
-            n = (len(conc) if arm == "d" else len(bares)) * rounds
+            for k, v in cpu.items():
+                spent[arm][k] = spent[arm].get(k, 0.0) + v
             seconds[arm] += took
             turns[arm] += n
             rate[arm] = n / took
@@ -396,6 +418,7 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
     out["cpu_d"] = cpu_per_turn({}, spent["d"], turns["d"])
     out["cpu_b"] = cpu_per_turn({}, spent["b"], turns["b"])
     out["tp_pairs"] = pairs
+    out["tp_window_s"] = block_s
     out["engine_calls"] = {k: v / turns["d"] for k, v in sorted(Counter(engine_calls).items())}
 
 
@@ -450,7 +473,7 @@ async def mixed_window(d: Any, job: Callable[..., dict[str, Any]], conc: list[st
 async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, stamps: Stamps,
                         traces: dict[str, Any], keeper_arm: bool = False, restored: int = 3,
                         warm_turns: int = 1, quiet_s: float = 0.0, instances: int = 1,
-                        mixed_s: float = 0.0, tp_blocks: int = 1) -> dict[str, Any]:
+                        mixed_s: float = 0.0, tp_blocks: int = 1, tp_block_s: float = 5.0) -> dict[str, Any]:
     sup = d.daemon.supervisor
     user, chat = "bench", f"{runtime}-{uuid.uuid4().hex[:6]}"
 
@@ -487,7 +510,7 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
 
     def count_cpu(arm: str, before: dict[str, float]) -> None:
         for k, v in cpu_by_process().items():
-            if k != FORKS:
+            if k not in (FORKS, IDLE):
                 cpu_live[arm][k] = cpu_live[arm].get(k, 0.0) + (v - before.get(k, 0.0)) * 1000 / n
 
     for i in range(n):
@@ -604,16 +627,20 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
     tp_lat_d: list[float] = []
     tp_lat_b: list[float] = []
 
+    async def daemon_turn(c: str, k: int) -> bool:
+        ms, r, _, t0 = await timed_job(d, job(f"conc {k}", c=c))
+        if not r or r["outcome"] != "succeeded" or r["context_status"] != "LIVE":
+            failures.append(f"{r and r.get('context_status')} {r and r.get('reason')}")
+            return False
+        tp_lat_d.append(ms)
+        trace = traces.get(r["job_id"])
+        if trace is not None:
+            tp_rows.append(phase_row(trace, t0, ms))
+        return True
+
     async def daemon_chat(c: str) -> None:
         for k in range(rounds):
-            ms, r, _, t0 = await timed_job(d, job(f"conc {k}", c=c))
-            if not r or r["outcome"] != "succeeded" or r["context_status"] != "LIVE":
-                failures.append(f"{r and r.get('context_status')} {r and r.get('reason')}")
-                continue
-            tp_lat_d.append(ms)
-            trace = traces.get(r["job_id"])
-            if trace is not None:
-                tp_rows.append(phase_row(trace, t0, ms))
+            await daemon_turn(c, k)
 
     # The bare sessions start two at a time once the daemon's residents are gone: their start is
     # not measured, and 16 Kilo or OpenCode servers starting at once beside 16 residents overload
@@ -628,16 +655,20 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
                 await b.turn(f"warm {k}")
             bares.append(b)
 
+    async def bare_turn(b: Bare, k: int) -> bool:
+        t = time.perf_counter_ns()
+        await b.turn(f"conc {k}")
+        tp_lat_b.append((time.perf_counter_ns() - t) / 1e6)
+        return True
+
     async def bare_chat(b: Bare) -> None:
         for k in range(rounds):
-            t = time.perf_counter_ns()
-            await b.turn(f"conc {k}")
-            tp_lat_b.append((time.perf_counter_ns() - t) / 1e6)
+            await bare_turn(b, k)
 
     if tp_blocks > 1:
         room = mem_available() - sessions_took
         if room > MEM_SPARE * mem_total():
-            await alternated_blocks(out, sup, conc, bares, warm_bare, daemon_chat, bare_chat, tp_blocks, rounds)
+            await alternated_blocks(out, sup, conc, bares, warm_bare, daemon_turn, bare_turn, tp_blocks, tp_block_s)
             return await after_throughput(out, d, sup, user, runtime, conc, bares, failures, job, warm_turns, mixed_s,
                                           tp_rows, tp_lat_d, tp_lat_b)
         print(f"{runtime}: one block per throughput arm: {len(conc)} bare sessions beside the daemon's residents "
@@ -800,7 +831,7 @@ async def main(args: argparse.Namespace) -> None:
                                                            traces, keeper_arm=args.keeper_arm, restored=args.restored,
                                                            warm_turns=args.warm_turns, quiet_s=args.quiet_s,
                                                            instances=args.instances, mixed_s=args.mixed_s,
-                                                           tp_blocks=args.tp_blocks)
+                                                           tp_blocks=args.tp_blocks, tp_block_s=args.tp_block_s)
                     # printed as each CLI finishes: a run cut short still leaves its figures
                     print(HEAD + "\n" + row(runtime, results[runtime]), flush=True)
                     print_phases({runtime: results[runtime]})
@@ -847,7 +878,8 @@ def row(runtime: str, r: dict[str, Any]) -> str:
         line += f"\n  {runtime}: {by_history(r['live_d'], r['live_b'], r.get('instances', 1))}"
     if r.get("tp_pairs"):
         pairs = r["tp_pairs"]
-        line += (f"\n  {runtime}: throughput ratio by block pair ({len(pairs)} alternated): "
+        line += (f"\n  {runtime}: throughput ratio by block pair ({len(pairs)} alternated, windows of "
+                 f"{r['tp_window_s']:g} s): "
                  f"{', '.join(f'{x:.3f}' for x in pairs)}; median {statistics.median(pairs):.3f}")
     if r["failures"]:
         line += f"\n  failures: {r['failures']}"
@@ -1016,10 +1048,13 @@ if __name__ == "__main__":
                          "same container), taken in turn: two OpenCode or Kilo processes differ by ~10 ms of "
                          "their own work a turn, which one process per arm counts as the supervisor's")
     ap.add_argument("--tp-blocks", type=int, default=1,
-                    help="the throughput arms in this many pairs of blocks of --rounds turns a chat, alternated "
+                    help="the throughput arms in this many pairs of windows of --tp-block-s seconds, alternated "
                          "(daemon-bare, bare-daemon, ...) with both arms' sessions alive at once, where memory "
-                         "allows; the default, one block each, runs the bare arm after the daemon's residents "
-                         "are retired")
+                         "allows; the default, one block each of --rounds turns a chat, runs the bare arm after "
+                         "the daemon's residents are retired")
+    ap.add_argument("--tp-block-s", type=float, default=5.0,
+                    help="with --tp-blocks: each block is a window of this many seconds, every chat taking turn "
+                         "after turn (the turns that ended in it are counted); --rounds is then unused")
     ap.add_argument("--mixed-s", type=float, default=0.0,
                     help="after the throughput run: half the chats through the daemon and half bare, at once for "
                          "this long; the turns each arm completed in the same window")

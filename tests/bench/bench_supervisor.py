@@ -357,10 +357,11 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
 
     A block is a window of ``block_s`` seconds in which every chat takes turn after turn: its
     throughput is the turns that ended in the window, and its CPU the window's. A fixed number
-    of turns a chat instead ends with a tail where fewer chats than cores still run, and the
-    arm whose turns vary more idles longer there (Pi, 16 chats x 4 turns: 1.2 ms a turn of
-    idle CPU in the daemon's blocks, 0.2 in the bare ones), which a host's steady load never
-    sees. Each pair's ratio is printed too."""
+    of turns a chat instead ends with a tail where fewer chats than cores still run, which a
+    host's steady load never has. (The tail is not where the daemon's blocks idle, though: Pi,
+    16 chats, the host's CPUs idled 1.2 ms a turn in the daemon's blocks of 4 turns a chat
+    against 0.2 in the bare ones, and 1.6 against 0.4 in windows; iowait ~0.) Each pair's
+    ratio is printed too."""
     async with anyio.create_task_group() as tg:
         for c in conc:
             tg.start_soon(warm_bare, c)

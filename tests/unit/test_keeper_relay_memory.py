@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -42,10 +43,18 @@ def steady(expected: Callable[[], int], read: Callable[[], GroupMemory]) -> Grou
 
 
 @pytest.fixture
-def processes() -> Iterator[dict[str, int]]:
+def run() -> str:
+    """A directory name of this test's own: relays are found by their command line, host-wide, and
+    another test's relay of the same path (another xdist worker's, at the same moment) would
+    count too."""
+    return f"/run/t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def processes(run: str) -> Iterator[dict[str, int]]:
     """A group leader (the keeper), its relay, and another member's relay: each a session of its own."""
-    argvs = {"keeper": [], "relay": ["run", "--socket", "/run/a/keeper.sock", "--member", "a"],
-             "other": ["attach", "--socket", "/run/b/keeper.sock"]}
+    argvs = {"keeper": [], "relay": ["run", "--socket", f"{run}/a/keeper.sock", "--member", "a"],
+             "other": ["attach", "--socket", f"{run}/b/keeper.sock"]}
     procs = {name: subprocess.Popen([sys.executable, "-c", HOLD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     start_new_session=True) for name, args in argvs.items()}
     try:
@@ -58,20 +67,20 @@ def processes() -> Iterator[dict[str, int]]:
             p.wait(timeout=10)
 
 
-def test_a_relay_naming_the_keepers_socket_is_read_with_its_group(processes) -> None:
+def test_a_relay_naming_the_keepers_socket_is_read_with_its_group(processes, run) -> None:
     keeper, relay = processes["keeper"], processes["relay"]
     reader = ProcMemory(pss=False)
     alone = steady(lambda: rss(keeper), lambda: reader.measure(keeper, {keeper})[keeper])
     assert (alone.pids, alone.rss_bytes) == (1, rss(keeper))
     found = steady(lambda: rss(keeper) + rss(relay),
-                   lambda: reader.measure(keeper, {keeper}, relays={keeper: "/run/a/keeper.sock"})[keeper])
+                   lambda: reader.measure(keeper, {keeper}, relays={keeper: f"{run}/a/keeper.sock"})[keeper])
     assert (found.pids, found.rss_bytes) == (2, rss(keeper) + rss(relay))
     assert found.rss_bytes > 64 * 1024 * 1024
 
 
-def test_a_relay_of_another_socket_or_a_prefix_of_it_is_not(processes) -> None:
+def test_a_relay_of_another_socket_or_a_prefix_of_it_is_not(processes, run) -> None:
     keeper = processes["keeper"]
     reader = ProcMemory(pss=False)
-    for socket in ("/run/c/keeper.sock", "/run/a/keeper", "/run/a/keeper.sock2"):
+    for socket in (f"{run}/c/keeper.sock", f"{run}/a/keeper", f"{run}/a/keeper.sock2"):
         found = steady(lambda: rss(keeper), lambda: reader.measure(keeper, {keeper}, relays={keeper: socket})[keeper])
         assert (found.pids, found.rss_bytes) == (1, rss(keeper)), socket

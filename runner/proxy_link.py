@@ -1,21 +1,27 @@
 """One connection from the daemon to its model proxy service (``runner.proxy_protocol``):
 requests go out as they come, answers are matched to them by id, and a lost connection fails
-every request waiting on it (``LinkClosed``) so the caller can re-attach."""
+every request waiting on it (``LinkClosed``) so the caller can re-attach.
+
+The connection is a transport of the event loop's own, and each answer is handed to its request
+as its line arrives, in the transport's callback. A turn makes two calls (its begin and its
+flush): on anyio's buffered socket stream, each answer woke a reader task, which re-registered
+the socket with the loop for every read that found nothing, parsed the line and set the
+caller's event, and each call's send was a checkpoint of its own (the same costs as the keeper
+link's, sandbox_manager.keeper_link)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
-from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import ValidationError
 
-from proxy.sockets import SocketStream, connect_unix
 from runner.proxy_protocol import (
+    MAX_LINE_BYTES,
     AnswerLine,
     Begin,
     Close,
@@ -33,7 +39,6 @@ from runner.proxy_protocol import (
     RequestLine,
     Stop,
     encode,
-    read_line,
 )
 
 CALL_TIMEOUT_S = 30.0
@@ -47,60 +52,90 @@ class ProxyServiceError(RuntimeError):
     """The service answered a request with an error."""
 
 
-@dataclass
-class _Waiting:
-    done: anyio.Event = field(default_factory=anyio.Event)
-    answer: AnswerLine | None = None
+class _Answers(asyncio.Protocol):
+    """The connection's side on the loop: its lines, each an answer for a waiting request."""
+
+    def __init__(self, link: ServiceLink) -> None:
+        self.link = link
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's does not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        try:
+            while (end := buffer.find(b"\n", start)) >= 0:
+                self.link._answered(AnswerLine.model_validate_json(buffer[start:end]))
+                start = end + 1
+        except ValidationError:
+            self._end()  # not the protocol: nothing it says can be trusted
+            return
+        del buffer[:start]
+        if len(buffer) > MAX_LINE_BYTES:
+            self._end()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link._lost()
+
+    def _end(self) -> None:
+        self._buffer.clear()
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class ServiceLink:
-    def __init__(self, stream: SocketStream) -> None:
-        self._stream = stream
-        self._buffered = BufferedByteReceiveStream(stream)
+    def __init__(self, answers: _Answers | None = None) -> None:
+        self._answers = answers
         self._next_id = 0
-        self._waiting: dict[int, _Waiting] = {}
-        self._write = anyio.Lock(fast_acquire=True)  # no yield when free: a call per turn phase
+        self._waiting: dict[int, asyncio.Future[AnswerLine | None]] = {}
         self.closed = anyio.Event()
 
-    async def read_answers(self) -> None:
-        """Hand each answer to its request, until the connection ends."""
-        try:
-            while True:
-                answer = AnswerLine.model_validate_json(await read_line(self._buffered))
-                waiting = self._waiting.pop(answer.id, None)
-                if waiting is not None:
-                    waiting.answer = answer
-                    waiting.done.set()
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                anyio.DelimiterNotFound, ValidationError):
-            pass
-        finally:
-            self.closed.set()
-            for waiting in self._waiting.values():
-                waiting.done.set()  # no answer: LinkClosed
-            self._waiting.clear()
+    @classmethod
+    async def connect(cls, path: Path) -> ServiceLink:
+        """Connected to the service listening at ``path`` (``OSError`` when none does)."""
+        link = cls()
+        _, link._answers = await asyncio.get_running_loop().create_unix_connection(lambda: _Answers(link), str(path))
+        return link
+
+    def _answered(self, answer: AnswerLine) -> None:
+        waiting = self._waiting.pop(answer.id, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(answer)
+
+    def _lost(self) -> None:
+        self.closed.set()
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_result(None)  # no answer: LinkClosed
+        self._waiting.clear()
 
     async def call(self, request: Request, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
         """Send ``request``, wait for its answer (``TimeoutError`` after ``timeout_s``)."""
-        if self.closed.is_set():
+        transport = self._answers.transport if self._answers is not None else None
+        if self.closed.is_set() or transport is None or transport.is_closing():
             raise LinkClosed
         self._next_id += 1
-        ident, waiting = self._next_id, _Waiting()
+        ident = self._next_id
+        waiting: asyncio.Future[AnswerLine | None] = asyncio.get_running_loop().create_future()
         self._waiting[ident] = waiting
         try:
-            async with self._write:
-                await self._stream.send(encode(RequestLine(id=ident, request=request)))
+            transport.write(encode(RequestLine(id=ident, request=request)))  # whole, in the order of the calls
             with anyio.fail_after(timeout_s):
-                await waiting.done.wait()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            raise LinkClosed from exc
+                answer = await waiting
         finally:
             self._waiting.pop(ident, None)
-        if waiting.answer is None:
+        if answer is None:
             raise LinkClosed
-        if not waiting.answer.ok:
-            raise ProxyServiceError(waiting.answer.error or "error")
-        return waiting.answer.result
+        if not answer.ok:
+            raise ProxyServiceError(answer.error or "error")
+        return answer.result
 
     async def hello(self, role: Literal["daemon", "operator"]) -> HelloResult:
         return HelloResult.model_validate(await self.call(Hello(role=role), timeout_s=10.0))
@@ -108,27 +143,21 @@ class ServiceLink:
     async def stop(self, drain_s: float) -> None:
         await self.call(Stop(drain_s=drain_s))
 
+    def close(self) -> None:
+        if self._answers is not None and self._answers.transport is not None:
+            self._answers.transport.close()  # what was written goes first
+        self._lost()
+
 
 @asynccontextmanager
 async def linked(path: Path) -> AsyncIterator[ServiceLink]:
-    """A link to the service listening at ``path`` (``OSError`` when none does), its answers
-    read in a task of its own until the block ends."""
-    stream = await connect_unix(path)
-    link = ServiceLink(stream)
-    failure: Exception | None = None
+    """A link to the service listening at ``path`` (``OSError`` when none does) until the block
+    ends."""
+    link = await ServiceLink.connect(path)
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(link.read_answers)
-            try:
-                yield link
-            except Exception as exc:  # raised below, as itself (a task group would wrap it in a group)
-                failure = exc
-            finally:
-                tg.cancel_scope.cancel()
+        yield link
     finally:
-        await stream.aclose()
-    if failure is not None:
-        raise failure
+        link.close()
 
 
 class LinkOps:

@@ -1,13 +1,15 @@
-"""The event loop's CPU for a turn's lines read from a keeper's socket: anyio's socket stream (the
-host's keeper link until stop 54) against sandbox_manager.keeper_link.SocketBytes (a transport of
-the loop's own), side by side in one run (issue 16).
+"""The event loop's CPU for the daemon's two links of a turn, on anyio's streams (until stop 54)
+against transports of the loop's own, side by side in one run (issue 16).
 
     uv run python tests/bench/bench_link_stream.py [EXCHANGES] [--lines 10] [--gap-us 200] [--blocks 6]
 
-A peer process plays the keeper: for each input it writes ``--lines`` lines of 200 bytes,
-``--gap-us`` apart (a CLI's events come spaced out, so each is a read of its own). The loop's
-thread CPU per exchange (input sent, every line read) is measured for each stream in
-alternated blocks; the ratio is the new stream's CPU over the old one's.
+1. The keeper link (sandbox_manager.keeper_link.SocketBytes): a peer process plays the keeper,
+   writing ``--lines`` lines of 200 bytes ``--gap-us`` apart for each input (a CLI's events
+   come spaced out, so each is a read of its own). CPU per exchange: input sent, every line read.
+2. The proxy service's link (runner.proxy_link.ServiceLink): a peer process answers each
+   request line at once. CPU per call: the request sent, its answer matched to it.
+
+Each pair is measured in alternated blocks; the ratio is the new one's CPU over the old one's.
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
 
+from proxy.sockets import connect_unix
 from runner import event_loop
+from runner.proxy_link import ServiceLink
+from runner.proxy_protocol import AnswerLine, Close, RequestLine, encode
 from sandbox_manager.keeper_link import SocketBytes
 
 LINE = b"x" * 199 + b"\n"
@@ -61,6 +71,89 @@ class AnyioBytes:
         await self.stream.aclose()
 
 
+SERVICE = """
+import json, os, socket, sys
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+buf = b""
+while chunk := conn.recv(65536):
+    buf += chunk
+    *lines, buf = buf.split(b"\\n")
+    out = b"".join(json.dumps({"id": json.loads(line)["id"], "ok": True, "result": {}}).encode() + b"\\n"
+                   for line in lines)
+    conn.sendall(out)
+"""
+
+
+class AnyioServiceLink:
+    """The proxy link as it was: anyio's buffered stream, a reader task, an event per call."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._buffered = BufferedByteReceiveStream(stream)
+        self._next_id = 0
+        self._waiting: dict[int, list[Any]] = {}
+        self._write = anyio.Lock(fast_acquire=True)
+
+    async def read_answers(self) -> None:
+        try:
+            while True:
+                answer = AnswerLine.model_validate_json(await self._buffered.receive_until(b"\n", 1 << 22))
+                waiting = self._waiting.pop(answer.id, None)
+                if waiting is not None:
+                    waiting[1] = answer
+                    waiting[0].set()
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+
+    async def call(self, request: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+        self._next_id += 1
+        ident, waiting = self._next_id, [anyio.Event(), None]
+        self._waiting[ident] = waiting
+        try:
+            async with self._write:
+                await self._stream.send(encode(RequestLine(id=ident, request=request)))
+            with anyio.fail_after(timeout_s):
+                await waiting[0].wait()
+        finally:
+            self._waiting.pop(ident, None)
+        return waiting[1].result
+
+
+async def service_block(new: bool, calls: int, tmp: Path) -> float:
+    """Loop-thread CPU µs per call of one link to a fresh answering peer."""
+    path = tmp / f"s{time.monotonic_ns()}.sock"
+    peer = subprocess.Popen([sys.executable, "-c", SERVICE, str(path)], stdout=subprocess.PIPE)
+    assert peer.stdout is not None
+    await anyio.to_thread.run_sync(peer.stdout.readline)
+    call: Callable[[], Awaitable[Any]]
+    async with anyio.create_task_group() as tg:
+        if new:
+            link = await ServiceLink.connect(path)
+            call = lambda: link.call(Close(chat_key="c"))  # noqa: E731
+        else:
+            stream = await connect_unix(path)
+            old = AnyioServiceLink(stream)
+            tg.start_soon(old.read_answers)
+            call = lambda: old.call(Close(chat_key="c"))  # noqa: E731
+        for _ in range(50):
+            await call()
+        t = time.thread_time()
+        for _ in range(calls):
+            await call()
+        took = time.thread_time() - t
+        if new:
+            link.close()
+        else:
+            await stream.aclose()
+        tg.cancel_scope.cancel()
+    await anyio.to_thread.run_sync(peer.wait)
+    return took / calls * 1e6
+
+
 async def block(kind: type, exchanges: int, lines: int, gap_s: float) -> float:
     """Loop-thread CPU µs per exchange over one peer process's ``exchanges``."""
     ours, theirs = socket.socketpair()
@@ -89,19 +182,28 @@ async def block(kind: type, exchanges: int, lines: int, gap_s: float) -> float:
 
 
 async def main(args: argparse.Namespace) -> None:
-    cpu: dict[str, list[float]] = {"anyio": [], "SocketBytes": []}
-    for i in range(args.blocks):
-        order = (("anyio", AnyioBytes), ("SocketBytes", SocketBytes))
-        for name, kind in order if i % 2 == 0 else tuple(reversed(order)):
-            cpu[name].append(await block(kind, args.exchanges, args.lines, args.gap_us / 1e6))
-        print(f"block {i + 1}/{args.blocks}: anyio {cpu['anyio'][-1]:.1f} µs, SocketBytes "
-              f"{cpu['SocketBytes'][-1]:.1f} µs", flush=True)
+    cpu: dict[str, list[float]] = {"anyio": [], "SocketBytes": [], "anyio link": [], "ServiceLink": []}
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        for i in range(args.blocks):
+            order = (("anyio", AnyioBytes), ("SocketBytes", SocketBytes))
+            for name, kind in order if i % 2 == 0 else tuple(reversed(order)):
+                cpu[name].append(await block(kind, args.exchanges, args.lines, args.gap_us / 1e6))
+            for name in ("anyio link", "ServiceLink") if i % 2 == 0 else ("ServiceLink", "anyio link"):
+                cpu[name].append(await service_block(name == "ServiceLink", args.exchanges * 4, Path(tmp)))
+            print(f"block {i + 1}/{args.blocks}: keeper link anyio {cpu['anyio'][-1]:.1f} µs, SocketBytes "
+                  f"{cpu['SocketBytes'][-1]:.1f} µs; proxy link anyio {cpu['anyio link'][-1]:.1f} µs, ServiceLink "
+                  f"{cpu['ServiceLink'][-1]:.1f} µs", flush=True)
     old, new = statistics.median(cpu["anyio"]), statistics.median(cpu["SocketBytes"])
-    print(f"\nloop CPU per exchange of {args.lines} lines {args.gap_us:g} µs apart, median of {args.blocks} "
-          f"alternated blocks of {args.exchanges}:")
+    print(f"\nmedians of {args.blocks} alternated blocks")
+    print(f"keeper link, loop CPU per exchange of {args.lines} lines {args.gap_us:g} µs apart ({args.exchanges} a block):")
     print(f"  anyio socket stream  {old:8.1f} µs  ({old / args.lines:.1f} a line)")
     print(f"  SocketBytes          {new:8.1f} µs  ({new / args.lines:.1f} a line)")
     print(f"  ratio {new / old:.3f}, {(old - new) / args.lines:.1f} µs less a line")
+    old, new = statistics.median(cpu["anyio link"]), statistics.median(cpu["ServiceLink"])
+    print(f"proxy service link, loop CPU per call ({args.exchanges * 4} a block):")
+    print(f"  anyio buffered stream, reader task  {old:8.1f} µs")
+    print(f"  ServiceLink                         {new:8.1f} µs")
+    print(f"  ratio {new / old:.3f}, {old - new:.1f} µs less a call")
 
 
 if __name__ == "__main__":

@@ -154,9 +154,9 @@ class SocketBytes:
 
     async def receive_bytes(self) -> bytes:
         link = self._link
-        while not link.chunks:
+        while not link.chunks or self._closed:
             if self._closed or link.ended:
-                return b""
+                return b""  # closed here: what was read and not taken is not wanted any more
             await link.readable()
         data = link.chunks[0] if len(link.chunks) == 1 else b"".join(link.chunks)
         link.chunks.clear()

@@ -71,6 +71,16 @@ async def test_closing_wakes_a_read_in_flight_and_refuses_sends() -> None:
     peer.close()
 
 
+async def test_after_a_close_nothing_more_is_read_even_what_had_arrived() -> None:
+    link, peer = await linked()
+    peer.sendall(b"arrived\n")
+    await anyio.sleep(0.1)  # read by the loop, not yet taken
+    assert link._link.chunks == [b"arrived\n"]
+    await link.aclose()
+    assert await link.receive_bytes() == b""
+    peer.close()
+
+
 async def test_a_send_to_a_peer_that_stopped_reading_waits_and_a_close_ends_it() -> None:
     link, peer = await linked()
     outcome: list[str] = []

@@ -91,6 +91,10 @@ class _Link(asyncio.Protocol):
         self.paused_writing = False
         self._wake_writers()
 
+    @property
+    def reading(self) -> bool:
+        return self._reader is not None
+
     async def readable(self) -> None:
         self._reader = asyncio.get_running_loop().create_future()
         try:
@@ -154,6 +158,10 @@ class SocketBytes:
 
     async def receive_bytes(self) -> bytes:
         link = self._link
+        if link.reading:
+            # One reader at a time, as anyio's stream: a second one (a retire's wait for the CLI's
+            # exit beside the turn's read) is refused, and the first keeps its wake-up
+            raise anyio.BusyResourceError("reading from")
         while not link.chunks or self._closed:
             if self._closed or link.ended:
                 return b""  # closed here: what was read and not taken is not wanted any more

@@ -81,6 +81,26 @@ async def test_after_a_close_nothing_more_is_read_even_what_had_arrived() -> Non
     peer.close()
 
 
+async def test_a_second_reader_is_refused_and_the_first_still_gets_the_end() -> None:
+    """A retire waits for the CLI's exit beside the turn's read: the turn's read must still end
+    when the link does (it hung, woken no more, when the second read took its place)."""
+    link, peer = await linked()
+    first: list[bytes] = []
+
+    async def read() -> None:
+        first.append(await link.receive_bytes())
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.sleep(0.05)
+            with pytest.raises(anyio.BusyResourceError):
+                await link.receive_bytes()
+            peer.close()
+    assert first == [b""]
+    await link.aclose()
+
+
 async def test_a_send_to_a_peer_that_stopped_reading_waits_and_a_close_ends_it() -> None:
     link, peer = await linked()
     outcome: list[str] = []

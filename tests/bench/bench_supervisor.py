@@ -44,7 +44,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -330,6 +330,29 @@ def phase_row(trace: Any, t0: int, ms: float) -> list[tuple[str, float]]:
             + [("client_got_receipt", ms - (trace.marks[-1][1] - t0) / 1e6)])
 
 
+class EngineCalls:
+    """The daemon's engine calls while :meth:`counting` is entered, by the SDK function's name."""
+
+    def __init__(self, sup: Any) -> None:
+        self.engine, self._real = sup.manager.engine, sup.manager.engine._call
+        self.names: list[str] = []
+
+    async def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self.names.append(getattr(fn, "__qualname__", repr(fn)).split(".<locals>")[0])
+        return await self._real(fn, *args, **kwargs)
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        self.engine._call = self._counted
+        try:
+            yield
+        finally:
+            self.engine._call = self._real
+
+    def per_turn(self, turns: int) -> dict[str, float]:
+        return {k: v / turns for k, v in sorted(Counter(self.names).items())}
+
+
 MEM_SPARE = 0.25  # of the host's memory, left free with both throughput arms' sessions alive at once
 
 
@@ -370,12 +393,7 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
     seconds = {"d": 0.0, "b": 0.0}
     turns = {"d": 0, "b": 0}
     pairs: list[float] = []
-    engine_calls: list[str] = []  # the daemon arm's engine calls, by the SDK function's name
-    engine, real_call = sup.manager.engine, sup.manager.engine._call
-
-    async def counted_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        engine_calls.append(getattr(fn, "__qualname__", repr(fn)).split(".<locals>")[0])
-        return await real_call(fn, *args, **kwargs)
+    engine_calls = EngineCalls(sup)
 
     async def window(arm: str) -> tuple[int, float, dict[str, float]]:
         ended = 0
@@ -404,11 +422,8 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
         rate: dict[str, float] = {}
         for arm in ("d", "b") if i % 2 == 0 else ("b", "d"):
             await quiet_host(SETTLE_S)  # the last block's after-turn work (OpenCode, Kilo) is not this one's
-            engine._call = counted_call if arm == "d" else real_call
-            try:
+            with engine_calls.counting() if arm == "d" else nullcontext():
                 n, took, cpu = await window(arm)
-            finally:
-                engine._call = real_call
             for k, v in cpu.items():
                 spent[arm][k] = spent[arm].get(k, 0.0) + v
             seconds[arm] += took
@@ -420,7 +435,7 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
     out["cpu_b"] = cpu_per_turn({}, spent["b"], turns["b"])
     out["tp_pairs"] = pairs
     out["tp_window_s"] = block_s
-    out["engine_calls"] = {k: v / turns["d"] for k, v in sorted(Counter(engine_calls).items())}
+    out["engine_calls"] = engine_calls.per_turn(turns["d"])
 
 
 async def mixed_window(d: Any, job: Callable[..., dict[str, Any]], conc: list[str], bares: list[Bare], runtime: str,
@@ -675,31 +690,24 @@ async def bench_runtime(d: Any, runtime: str, n: int, chats: int, rounds: int, s
         print(f"{runtime}: one block per throughput arm: {len(conc)} bare sessions beside the daemon's residents "
               f"would leave {room / 2**30:.1f} GiB of memory (they took {sessions_took / 2**30:.1f})", flush=True)
     await anyio.sleep(SETTLE_S)
-    engine_calls: list[str] = []  # the daemon arm's engine calls, by the SDK function's name
-    engine, real_call = sup.manager.engine, sup.manager.engine._call
-
-    async def counted_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        engine_calls.append(getattr(fn, "__qualname__", repr(fn)).split(".<locals>")[0])
-        return await real_call(fn, *args, **kwargs)
-
-    engine._call = counted_call
-    t = time.perf_counter()
-    cpu0 = cpu_by_process()
-    # the daemon arm's loop thread, in its CPU time (wall time would charge a send with the
-    # time the thread waited for a core after waking its reader)
-    profile = cProfile.Profile(time.thread_time) if os.environ.get("BENCH_PROFILE") else None
-    if profile is not None:
-        profile.enable()
-    async with anyio.create_task_group() as tg:
-        for c in conc:
-            tg.start_soon(daemon_chat, c)
-    out["tp_d"] = chats * rounds / (time.perf_counter() - t)
-    if profile is not None:
-        profile.disable()
-        profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{runtime}")
-    out["cpu_d"] = cpu_per_turn(cpu0, cpu_by_process(), chats * rounds)
-    engine._call = real_call
-    out["engine_calls"] = {k: v / (chats * rounds) for k, v in sorted(Counter(engine_calls).items())}
+    engine_calls = EngineCalls(sup)
+    with engine_calls.counting():
+        t = time.perf_counter()
+        cpu0 = cpu_by_process()
+        # the daemon arm's loop thread, in its CPU time (wall time would charge a send with the
+        # time the thread waited for a core after waking its reader)
+        profile = cProfile.Profile(time.thread_time) if os.environ.get("BENCH_PROFILE") else None
+        if profile is not None:
+            profile.enable()
+        async with anyio.create_task_group() as tg:
+            for c in conc:
+                tg.start_soon(daemon_chat, c)
+        out["tp_d"] = chats * rounds / (time.perf_counter() - t)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{runtime}")
+        out["cpu_d"] = cpu_per_turn(cpu0, cpu_by_process(), chats * rounds)
+    out["engine_calls"] = engine_calls.per_turn(chats * rounds)
     for c in conc:
         await sup.pool.retire((user, c, "m1"), "bench: the bare arm's turn")
     async with anyio.create_task_group() as tg:

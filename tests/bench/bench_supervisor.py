@@ -63,6 +63,13 @@ from runner.transport import exec_transport
 from runner.turn import TestHooks
 from telemetry.turn_trace import mark
 from tests.bench.api_client import RemoteClient
+from tests.bench.sched_trace import (
+    SchedTrace,
+    attribute,
+    preemption_report,
+    preemptions,
+    report,
+)
 from tests.daemon_harness import TOKEN, daemon_settings, running_daemon
 from tests.support.store import rows
 
@@ -127,6 +134,11 @@ def cpu_by_process() -> dict[str, float]:
             continue
         key = "  its loop thread" if tid == str(os.getpid()) else "  its other threads"
         out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        if key == "  its loop thread":
+            try:  # the time it was runnable and waited for a core (schedstat: on-CPU, waiting, slices)
+                out[LOOP_WAIT] = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+            except (OSError, IndexError, ValueError):
+                pass
     out[GC_KEY] = GC_CLOCK.seconds
     busy, idle = _cpu_busy_idle()
     out["all"] = busy / tick
@@ -139,6 +151,9 @@ def cpu_by_process() -> dict[str, float]:
 FORKS = "processes started"  # a count, not CPU seconds: reported per turn as it is
 IDLE = "idle (the host's CPUs, iowait too)"  # time no process could use: a wait, not work
 GC_KEY = "  this process's garbage collector"  # this process's collections (within its threads' CPU)
+# the loop thread's time runnable but off a core (another task ran): a wait, not work; under many
+# chats it lengthens every event the loop serves, and each chat waits on the loop
+LOOP_WAIT = "  its loop thread, runnable, waiting for a core"
 
 
 class GcClock:
@@ -189,7 +204,7 @@ def cpu_per_turn(before: dict[str, float], after: dict[str, float], turns: int) 
     :data:`WAY` processes' (the small ones too)."""
     out = {k: (after[k] - before.get(k, 0.0)) * (1 if k == FORKS else 1000) / turns for k in after}
     way = sum(v for k, v in out.items() if k.removesuffix(" (children)") in WAY)
-    kept = dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k in (FORKS, GC_KEY, IDLE)), key=lambda kv: -kv[1]))
+    kept = dict(sorted(((k, v) for k, v in out.items() if v >= 0.5 or k in (FORKS, GC_KEY, IDLE, LOOP_WAIT)), key=lambda kv: -kv[1]))
     return {**kept, WAY_KEY: way}
 
 
@@ -394,6 +409,13 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
     turns = {"d": 0, "b": 0}
     pairs: list[float] = []
     engine_calls = EngineCalls(sup)
+    # BENCH_SCHED_TRACE=1: who ran while a CPU idled, from the kernel's context switches (a
+    # directory instead of 1: the trace and its windows are kept there)
+    where = os.environ.get("BENCH_SCHED_TRACE", "")
+    trace = SchedTrace(_label, None if where == "1" else Path(where)) if where else None
+    if trace is not None and (why := SchedTrace.available()):
+        print(f"no scheduler trace: {why}", flush=True)
+        trace = None
 
     async def window(arm: str) -> tuple[int, float, dict[str, float]]:
         ended = 0
@@ -416,8 +438,14 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
         async with anyio.create_task_group() as tg:
             for one in conc if arm == "d" else bares:
                 tg.start_soon(chat, one)
+        if trace is not None:
+            trace.window(arm, t, deadline)
         return ended, block_s, {k: v - cpu0.get(k, 0.0) for k, v in (cpu_end or cpu_by_process()).items()}
 
+    if trace is not None:
+        trace.start()
+        await anyio.sleep(0.5)  # perf's start-up work is not the first window's
+    print(f"throughput: {blocks} pairs of {block_s:g} s windows, {len(conc)} chats (pid {os.getpid()})", flush=True)
     for i in range(blocks):
         rate: dict[str, float] = {}
         for arm in ("d", "b") if i % 2 == 0 else ("b", "d"):
@@ -434,6 +462,13 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
     out["cpu_d"] = cpu_per_turn({}, spent["d"], turns["d"])
     out["cpu_b"] = cpu_per_turn({}, spent["b"], turns["b"])
     out["tp_pairs"] = pairs
+    if trace is not None:
+        switches = await anyio.to_thread.run_sync(trace.stop)
+        group = trace.group_of(os.getpid())
+        shares = attribute(switches, trace.windows, os.cpu_count() or 1, group)
+        out["sched_idle"] = report(shares, turns) + [
+            f"  ({len(switches)} switches; wall s traced {'|'.join(f'{shares[a].seconds:.1f}' for a in ('d', 'b'))})",
+            *preemption_report(preemptions(switches, trace.windows, os.getpid(), group), turns)]
     out["tp_window_s"] = block_s
     out["engine_calls"] = engine_calls.per_turn(turns["d"])
 
@@ -890,6 +925,8 @@ def row(runtime: str, r: dict[str, Any]) -> str:
         line += (f"\n  {runtime}: throughput ratio by block pair ({len(pairs)} alternated, windows of "
                  f"{r['tp_window_s']:g} s): "
                  f"{', '.join(f'{x:.3f}' for x in pairs)}; median {statistics.median(pairs):.3f}")
+    for text in r.get("sched_idle", []):
+        line += f"\n  {runtime}: {text}"
     if r["failures"]:
         line += f"\n  failures: {r['failures']}"
     return line

@@ -457,10 +457,13 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
             seconds[arm] += took
             turns[arm] += n
             rate[arm] = n / took
-        pairs.append(rate["d"] / rate["b"])
+            if not n:  # every chat's turn outlasted the window (Kilo, OpenCode under 16 chats: 3-6 s)
+                print(f"no turn ended in a {block_s:g} s window of the {'daemon' if arm == 'd' else 'bare'} arm: "
+                      "its turns take longer; a longer --tp-block-s measures it", flush=True)
+        pairs.append(rate["d"] / rate["b"] if rate["b"] else float("nan"))
     out["tp_d"], out["tp_b"] = turns["d"] / seconds["d"], turns["b"] / seconds["b"]
-    out["cpu_d"] = cpu_per_turn({}, spent["d"], turns["d"])
-    out["cpu_b"] = cpu_per_turn({}, spent["b"], turns["b"])
+    out["cpu_d"] = cpu_per_turn({}, spent["d"], max(1, turns["d"]))
+    out["cpu_b"] = cpu_per_turn({}, spent["b"], max(1, turns["b"]))
     out["tp_pairs"] = pairs
     if trace is not None:
         switches = await anyio.to_thread.run_sync(trace.stop)
@@ -470,7 +473,7 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
             f"  ({len(switches)} switches; wall s traced {'|'.join(f'{shares[a].seconds:.1f}' for a in ('d', 'b'))})",
             *preemption_report(preemptions(switches, trace.windows, os.getpid(), group), turns)]
     out["tp_window_s"] = block_s
-    out["engine_calls"] = engine_calls.per_turn(turns["d"])
+    out["engine_calls"] = engine_calls.per_turn(max(1, turns["d"]))
 
 
 async def mixed_window(d: Any, job: Callable[..., dict[str, Any]], conc: list[str], bares: list[Bare], runtime: str,
@@ -924,7 +927,8 @@ def row(runtime: str, r: dict[str, Any]) -> str:
         pairs = r["tp_pairs"]
         line += (f"\n  {runtime}: throughput ratio by block pair ({len(pairs)} alternated, windows of "
                  f"{r['tp_window_s']:g} s): "
-                 f"{', '.join(f'{x:.3f}' for x in pairs)}; median {statistics.median(pairs):.3f}")
+                 f"{', '.join(f'{x:.3f}' for x in pairs)}; median "
+                 f"{statistics.median([x for x in pairs if x == x] or [float('nan')]):.3f}")
     for text in r.get("sched_idle", []):
         line += f"\n  {runtime}: {text}"
     if r["failures"]:

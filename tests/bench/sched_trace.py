@@ -61,15 +61,21 @@ class IdleShare:
         self.by_group[group] = self.by_group.get(group, 0.0) + s
 
 
-def attribute(switches: list[Switch], windows: list[tuple[str, float, float]], cpus: int,
-              group_of: Callable[[int, int], str]) -> dict[str, IdleShare]:
-    """Charge each window's idle CPU time to the groups that ran beside it. ``group_of(tid,
-    pid)`` names a task's group; a task's process is learnt from its own switches out.
-    A CPU is counted once a switch on it is seen (its task before that is unknown)."""
-    switches = sorted(switches, key=lambda s: s.time)
+def _pid_of(switches: list[Switch]) -> dict[int, int]:
+    """Each task's process, learnt from its first switch out (a task seen only switching in
+    keeps its tid as its process)."""
     pid_of: dict[int, int] = {}
     for s in switches:
         pid_of.setdefault(s.prev_tid, s.prev_pid)
+    return pid_of
+
+
+def attribute(switches: list[Switch], windows: list[tuple[str, float, float]], cpus: int,
+              group_of: Callable[[int, int], str]) -> dict[str, IdleShare]:
+    """Charge each window's idle CPU time to the groups that ran beside it. ``switches`` in
+    time order (as ``SchedTrace.stop`` returns them); ``group_of(tid, pid)`` names a task's
+    group. A CPU is counted once a switch on it is seen (its task before that is unknown)."""
+    pid_of = _pid_of(switches)
     out: dict[str, IdleShare] = {arm: IdleShare() for arm, _, _ in windows}
     running: dict[int, int] = {}  # cpu -> tid on it (0: idle)
     ordered = sorted(windows, key=lambda w: w[1])
@@ -78,17 +84,18 @@ def attribute(switches: list[Switch], windows: list[tuple[str, float, float]], c
     def charge(until: float) -> None:
         if len(running) < cpus or until <= now:
             return
+        # The CPUs' state holds from ``now`` to ``until``: read it once for every window.
+        busy = [tid for tid in running.values() if tid != 0]
+        idle = len(running) - len(busy)
         for arm, start, end in ordered:
             lo, hi = max(now, start), min(until, end)
             if hi <= lo:
                 continue
             share = out[arm]
             share.seconds += hi - lo
-            idle = sum(1 for tid in running.values() if tid == 0)
             if not idle:
                 continue
             share.idle += idle * (hi - lo)
-            busy = [tid for tid in running.values() if tid != 0]
             if not busy:
                 share.add(NOTHING, idle * (hi - lo))
                 continue
@@ -114,11 +121,12 @@ class Preemptions:
 
 def preemptions(switches: list[Switch], windows: list[tuple[str, float, float]], tid: int,
                 group_of: Callable[[int, int], str]) -> dict[str, Preemptions]:
-    """``tid``'s preemptions in each arm's windows (by the window it was switched out in)."""
-    pid_of = {s.prev_tid: s.prev_pid for s in switches}
+    """``tid``'s preemptions in each arm's windows (by the window it was switched out in);
+    ``switches`` in time order."""
+    pid_of = _pid_of(switches)
     out = {arm: Preemptions() for arm, _, _ in windows}
     out_at: tuple[float, str] | None = None
-    for s in sorted(switches, key=lambda s: s.time):
+    for s in switches:
         if s.next_tid == tid and out_at is not None:
             out[out_at[1]].waited += s.time - out_at[0]
             out_at = None
@@ -137,7 +145,7 @@ def preemptions(switches: list[Switch], windows: list[tuple[str, float, float]],
 
 class SchedTrace:
     """``perf record`` of every context switch while it is open; ``window`` marks an arm's
-    window; ``report`` reads the trace back. Needs root and perf (Debian's linux-perf)."""
+    window; ``stop`` reads the trace back, in time order. Needs root and perf (Debian's linux-perf)."""
 
     def __init__(self, label_of_pid: Callable[[str], str], keep: Path | None = None) -> None:
         """``keep``: a directory the trace (perf.data) and its windows (windows.json) stay in."""
@@ -187,7 +195,7 @@ class SchedTrace:
         else:
             (self._dir / "windows.json").write_text(json.dumps({"windows": self.windows, "pid": os.getpid(),
                                                                "labels": self.labels}))
-        return list(parse(text.splitlines()))
+        return sorted(parse(text.splitlines()), key=lambda s: s.time)
 
     def group_of(self, own_pid: int) -> Callable[[int, int], str]:
         def group(tid: int, pid: int) -> str:

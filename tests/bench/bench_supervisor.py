@@ -921,6 +921,10 @@ def row(runtime: str, r: dict[str, Any]) -> str:
             f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
     lo, hi = added_interval(r["live_d"], r["live_b"])
     line += f"\n  {runtime}: LIVE added p50, 95% interval [{lo:.1f}, {hi:.1f}] ms over {len(r['live_d'])} turn pairs"
+    if r["rest_d"]:
+        lo, hi = ratio_interval(r["rest_d"], r["rest_b"])
+        line += (f"\n  {runtime}: RESTORED ratio, 95% interval [{lo:.3f}, {hi:.3f}] over {len(r['rest_d'])} "
+                 f"stop-and-start pairs")
     if len(r["live_d"]) >= 40:
         line += f"\n  {runtime}: {by_history(r['live_d'], r['live_b'], r.get('instances', 1))}"
     if r.get("tp_pairs"):
@@ -991,13 +995,26 @@ def added_interval(live_d: list[float], live_b: list[float], draws: int = 2000) 
     """A bootstrap 95% interval of median(daemon) - median(bare): the turn pairs resampled
     together (each pair ran back to back, so the machine's moment is shared). One run's p50 of
     OpenCode or Kilo moves by more than the 5 ms goal; the interval says how far it can."""
+    return pair_interval(live_d, live_b, lambda d, b: d - b, draws)
+
+
+def ratio_interval(rest_d: list[float], rest_b: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A bootstrap 95% interval of median(daemon) / median(bare) for the RESTORED turns, each
+    pair a stop and a start of the same container back to back. With 5 pairs it is wide: one
+    run's ratio has moved between 0.93 and 1.13 for the same tree."""
+    return pair_interval(rest_d, rest_b, lambda d, b: d / b, draws)
+
+
+def pair_interval(xs_d: list[float], xs_b: list[float], stat: Callable[[float, float], float],
+                  draws: int) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of ``stat(median(d), median(b))`` over the pairs resampled."""
     rng = random.Random(16)  # the same run prints the same interval
-    n = len(live_d)
-    diffs = []
+    n = len(xs_d)
+    got = []
     for _ in range(draws):
         idx = [rng.randrange(n) for _ in range(n)]
-        diffs.append(statistics.median(live_d[i] for i in idx) - statistics.median(live_b[i] for i in idx))
-    return pct(diffs, 2.5), pct(diffs, 97.5)
+        got.append(stat(statistics.median(xs_d[i] for i in idx), statistics.median(xs_b[i] for i in idx)))
+    return pct(got, 2.5), pct(got, 97.5)
 
 
 # the spans of a LIVE turn that hold the driver's and the CLI's own work, which the bare arm has too

@@ -212,11 +212,15 @@ class ModelPath:
     # -- members and turns --------------------------------------------------------------------
 
     async def gateway(self, user_id: str, chat_id: str, member_id: str, model: str) -> GatewayConfig:
-        """What a member's CLI is configured with: its own base URL and a placeholder key."""
+        """What a member's CLI is configured with: its own base URL and a placeholder key.
+        A member whose turn has begun is known to the proxy already: the begin names it, and
+        went out on the same connection before anything of the turn that launches the CLI (a
+        NEW or RESTORED turn made a round trip to the proxy more for it, issue 16)."""
         key = self.chat_key(user_id, chat_id)
         mk = member_key(member_id)
         self.members[(key, mk)] = member_id
-        await self._tell("member", lambda p: p.member(key, mk, member_id))
+        if (key, mk) not in self.jobs:  # no turn of the member begun (a fork's new member, a re-adopt)
+            await self._tell("member", lambda p: p.member(key, mk, member_id))
         return GatewayConfig(base_url=member_base_url(MODEL_PORT, mk), key=SecretStr(placeholder_key(key)),
                              model=model)
 

@@ -204,6 +204,40 @@ async def test_a_turns_open_asks_the_proxy_once_per_connection(path: ModelPath, 
     assert calls == [container_name(U, C)] * 2 + [f"close {container_name(U, C)}", container_name(U, C)]
 
 
+async def test_a_member_whose_turn_began_is_not_told_again_as_its_cli_launches(path: ModelPath) -> None:
+    """The turn's begin names the member, on the same connection and before anything of the
+    turn: the launch's gateway asks nothing more of the proxy. A member with no turn begun (a
+    fork's new member) and one whose turn was flushed are told as before."""
+    from proxy.routes import member_base_url
+    from sandbox_manager.sealing import MODEL_PORT
+    from state.jobs import Job
+
+    calls: list[tuple[str, ...]] = []
+
+    class Ops:
+        async def begin(self, key: str, mk: str, member_id: str, job_id: str) -> None:
+            calls.append(("begin", member_id, job_id))
+
+        async def member(self, key: str, mk: str, member_id: str) -> None:
+            calls.append(("member", member_id))
+
+        async def flush(self, key: str, timeout_s: float, end_of: Any = None) -> None:
+            calls.append(("flush", *(end_of or ())))
+
+    path._ops = Ops()  # type: ignore[assignment]
+    job = Job(job_id="j1", user_id=U, chat_id=C, member_id="m1", runtime="codex", message="hi")
+    await path.begin(job)
+    gateway = await path.gateway(U, C, "m1", "fixture-model")
+    assert (gateway.base_url, gateway.model) == (member_base_url(MODEL_PORT, member_key("m1")), "fixture-model")
+    await path.gateway(U, C, "m2", "fixture-model")  # no turn of m2 begun
+    assert calls == [("begin", "m1", "j1"), ("member", "m2")]
+    now = datetime.now(UTC)
+    await path.flush(Receipt(job_id="j1", user_id=U, chat_id=C, member_id="m1", runtime="codex",
+                             context_status=None, outcome=Outcome.SUCCEEDED, started_at=now, finished_at=now))
+    await path.gateway(U, C, "m1", "fixture-model")  # its turn is over: told again
+    assert calls[2:] == [("flush", member_key("m1"), "j1"), ("member", "m1")]
+
+
 def conversation(turns: int, message: str | None = None) -> list[tuple[str, str]]:
     """A member's request after ``turns`` turns: each turn's message and reply, then ``message``."""
     conv = [m for i in range(turns) for m in (("user", f"q{i}"), ("assistant", f"r{i}"))]

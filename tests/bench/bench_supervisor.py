@@ -35,6 +35,7 @@ import argparse
 import cProfile
 import gc
 import inspect
+import math
 import os
 import random
 import sqlite3
@@ -460,7 +461,7 @@ async def alternated_blocks(out: dict[str, Any], sup: Any, conc: list[str], bare
             if not n:  # every chat's turn outlasted the window (Kilo, OpenCode under 16 chats: 3-6 s)
                 print(f"no turn ended in a {block_s:g} s window of the {'daemon' if arm == 'd' else 'bare'} arm: "
                       "its turns take longer; a longer --tp-block-s measures it", flush=True)
-        pairs.append(rate["d"] / rate["b"] if rate["b"] else float("nan"))
+        pairs.append(rate["d"] / rate["b"] if rate["b"] else math.nan)
     out["tp_d"], out["tp_b"] = turns["d"] / seconds["d"], turns["b"] / seconds["b"]
     out["cpu_d"] = cpu_per_turn({}, spent["d"], max(1, turns["d"]))
     out["cpu_b"] = cpu_per_turn({}, spent["b"], max(1, turns["b"]))
@@ -921,10 +922,9 @@ def row(runtime: str, r: dict[str, Any]) -> str:
             f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
     lo, hi = added_interval(r["live_d"], r["live_b"])
     line += f"\n  {runtime}: LIVE added p50, 95% interval [{lo:.1f}, {hi:.1f}] ms over {len(r['live_d'])} turn pairs"
-    if r["rest_d"]:
-        lo, hi = ratio_interval(r["rest_d"], r["rest_b"])
-        line += (f"\n  {runtime}: RESTORED ratio, 95% interval [{lo:.3f}, {hi:.3f}] over {len(r['rest_d'])} "
-                 f"stop-and-start pairs")
+    lo, hi = ratio_interval(r["rest_d"], r["rest_b"])  # the row's ratio above needs RESTORED pairs too
+    line += (f"\n  {runtime}: RESTORED ratio, 95% interval [{lo:.3f}, {hi:.3f}] over {len(r['rest_d'])} "
+             f"stop-and-start pairs")
     if len(r["live_d"]) >= 40:
         line += f"\n  {runtime}: {by_history(r['live_d'], r['live_b'], r.get('instances', 1))}"
     if r.get("tp_pairs"):
@@ -932,7 +932,7 @@ def row(runtime: str, r: dict[str, Any]) -> str:
         line += (f"\n  {runtime}: throughput ratio by block pair ({len(pairs)} alternated, windows of "
                  f"{r['tp_window_s']:g} s): "
                  f"{', '.join(f'{x:.3f}' for x in pairs)}; median "
-                 f"{statistics.median([x for x in pairs if x == x] or [float('nan')]):.3f}")
+                 f"{statistics.median([x for x in pairs if not math.isnan(x)] or [math.nan]):.3f}")
     for text in r.get("sched_idle", []):
         line += f"\n  {runtime}: {text}"
     if r["failures"]:

@@ -1,6 +1,6 @@
 """Who ran while a CPU idled: the kernel's context switches over the throughput windows.
 
-``bench_supervisor --tp-blocks K --sched-trace`` records every ``sched:sched_switch`` on the host
+``BENCH_SCHED_TRACE=1 bench_supervisor --tp-blocks K`` records every ``sched:sched_switch`` on the host
 (``perf record -a``, stamped on CLOCK_MONOTONIC, the clock of ``time.perf_counter``) while the
 arms' windows run. From the switches each CPU's timeline is rebuilt, and every moment where
 some CPUs idled and others ran is charged to what ran: the idle CPU time, split evenly among
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NOTHING = "(nothing: every CPU idle)"
+ARM_NAMES = {"d": "daemon", "b": "bare"}
 UNKNOWN = "?"
 _SWITCH = re.compile(r"^\s*(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):.*?prev_state=(\S+) ==> .*?next_pid=(\d+)")
 
@@ -207,14 +208,13 @@ class SchedTrace:
 
 def preemption_report(pre: dict[str, Preemptions], turns: dict[str, int], top: int = 6) -> list[str]:
     """The loop thread's preemptions a turn and the wait after them, and what preempted it."""
-    names = {"d": "daemon", "b": "bare"}
     lines = []
     for arm in ("d", "b"):
         if arm not in pre:
             continue
         p, n = pre[arm], max(1, turns.get(arm, 0))
         by = sorted(p.by_group.items(), key=lambda kv: -kv[1])[:top]
-        lines.append(f"the loop thread, {names[arm]} arm: preempted {p.count / n:.1f} times a turn, then off a core "
+        lines.append(f"the loop thread, {ARM_NAMES[arm]} arm: preempted {p.count / n:.1f} times a turn, then off a core "
                      f"{1000 * p.waited / n:.2f} ms a turn; by " + ", ".join(f"{g} {c / n:.2f}" for g, c in by))
     return lines
 
@@ -222,17 +222,19 @@ def preemption_report(pre: dict[str, Preemptions], turns: dict[str, int], top: i
 def report(shares: dict[str, IdleShare], turns: dict[str, int], top: int = 8) -> list[str]:
     """Idle CPU ms a turn, by what ran meanwhile, the arms side by side."""
     arms = [a for a in ("d", "b") if a in shares]
-    names = {"d": "daemon", "b": "bare"}
-    per_turn = {a: (lambda s, a=a: 1000.0 * s / max(1, turns.get(a, 0))) for a in arms}
+
+    def per_turn(arm: str, seconds: float) -> float:
+        return 1000.0 * seconds / max(1, turns.get(arm, 0))
+
     groups = sorted({g for a in arms for g in shares[a].by_group},
                     key=lambda g: -max(shares[a].by_group.get(g, 0.0) for a in arms))
     lines = ["idle CPU ms a turn, by what ran meanwhile (perf sched_switch):",
-             f"  {'':44s}" + "".join(f"{names[a]:>10s}" for a in arms),
-             f"  {'idle, all of it':44s}" + "".join(f"{per_turn[a](shares[a].idle):10.2f}" for a in arms)]
+             f"  {'':44s}" + "".join(f"{ARM_NAMES[a]:>10s}" for a in arms),
+             f"  {'idle, all of it':44s}" + "".join(f"{per_turn(a, shares[a].idle):10.2f}" for a in arms)]
     for g in groups[:top]:
-        lines.append(f"  {g[:44]:44s}" + "".join(f"{per_turn[a](shares[a].by_group.get(g, 0.0)):10.2f}" for a in arms))
+        lines.append(f"  {g[:44]:44s}" + "".join(f"{per_turn(a, shares[a].by_group.get(g, 0.0)):10.2f}" for a in arms))
     rest = groups[top:]
     if rest:
         lines.append(f"  {'the rest':44s}" + "".join(
-            f"{per_turn[a](sum(shares[a].by_group.get(g, 0.0) for g in rest)):10.2f}" for a in arms))
+            f"{per_turn(a, sum(shares[a].by_group.get(g, 0.0) for g in rest)):10.2f}" for a in arms))
     return lines

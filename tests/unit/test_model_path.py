@@ -13,10 +13,13 @@ from typing import Any
 import pytest
 
 from proxy import DigestEntry, ProxyConfig, WireRecord
+from proxy.routes import member_base_url
 from runner.config import load_settings
 from runner.model_path import ModelPath
 from runner.proxy_attribution import Attribution, LedgerSink
 from sandbox_manager.identity import container_name, member_key
+from sandbox_manager.sealing import MODEL_PORT
+from state.jobs import Job
 from state.receipts import Outcome, Receipt
 from state.records import SavedLocator
 from state.store import MemberOutcome, Store, VerifiedTurn
@@ -208,10 +211,6 @@ async def test_a_member_whose_turn_began_is_not_told_again_as_its_cli_launches(p
     """The turn's begin names the member, on the same connection and before anything of the
     turn: the launch's gateway asks nothing more of the proxy. A member with no turn begun (a
     fork's new member) and one whose turn was flushed are told as before."""
-    from proxy.routes import member_base_url
-    from sandbox_manager.sealing import MODEL_PORT
-    from state.jobs import Job
-
     calls: list[tuple[str, ...]] = []
 
     class Ops:

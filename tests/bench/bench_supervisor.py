@@ -916,15 +916,15 @@ def row(runtime: str, r: dict[str, Any]) -> str:
     first = f"{statistics.median(r['first']):8.2f}ms" if r["first"] else f"{'-':>10}"
     line = (f"{runtime:9} {statistics.median(r['live_d']):10.1f} {statistics.median(r['live_b']):9.1f} "
             f"{statistics.median(r['live_d']) - statistics.median(r['live_b']):9.1f} {pct(added, 99):9.1f} "
-            f"{statistics.median(r['rest_d']):10.0f} {statistics.median(r['rest_b']):7.0f} "
-            f"{statistics.median(r['rest_d']) / statistics.median(r['rest_b']):6.3f} {first} "
+            f"{restored_cells(r)} {first} "
             f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b'] if r['tp_b'] else float('nan'):8.3f} {len(r['failures']):4}  "
             f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
     lo, hi = added_interval(r["live_d"], r["live_b"])
     line += f"\n  {runtime}: LIVE added p50, 95% interval [{lo:.1f}, {hi:.1f}] ms over {len(r['live_d'])} turn pairs"
-    lo, hi = ratio_interval(r["rest_d"], r["rest_b"])  # the row's ratio above needs RESTORED pairs too
-    line += (f"\n  {runtime}: RESTORED ratio, 95% interval [{lo:.3f}, {hi:.3f}] over {len(r['rest_d'])} "
-             f"stop-and-start pairs")
+    if r["rest_d"]:
+        lo, hi = ratio_interval(r["rest_d"], r["rest_b"])
+        line += (f"\n  {runtime}: RESTORED ratio, 95% interval [{lo:.3f}, {hi:.3f}] over {len(r['rest_d'])} "
+                 f"stop-and-start pairs")
     if len(r["live_d"]) >= 40:
         line += f"\n  {runtime}: {by_history(r['live_d'], r['live_b'], r.get('instances', 1))}"
     if r.get("tp_pairs"):
@@ -938,6 +938,14 @@ def row(runtime: str, r: dict[str, Any]) -> str:
     if r["failures"]:
         line += f"\n  failures: {r['failures']}"
     return line
+
+
+def restored_cells(r: dict[str, Any]) -> str:
+    """The row's RESTORED medians and ratio, or dashes for a run with ``--restored 0``."""
+    if not r["rest_d"]:
+        return f"{'-':>10} {'-':>7} {'-':>6}"
+    d, b = statistics.median(r["rest_d"]), statistics.median(r["rest_b"])
+    return f"{d:10.0f} {b:7.0f} {d / b:6.3f}"
 
 
 def ledger_bytes(db: Path, user: str, chat: str, members: list[str]) -> str:

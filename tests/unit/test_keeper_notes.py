@@ -108,6 +108,22 @@ async def test_a_keeper_of_an_older_image_gets_the_turn_in_the_store_as_before()
     assert (rec.turn.offset, Job.model_validate_json(rec.turn.job_json).job_id) == (len(BETWEEN), "j-2")
 
 
+async def test_a_launch_records_its_keeper_between_turns_without_a_flush_of_its_own() -> None:
+    """After a NEW or RESTORED handshake: the keeper acknowledged and recorded (no turn in
+    flight, everything read committed) before the input, its commit left to the turn's flush:
+    a synchronous commit held the turn for its fsync."""
+    handle, stream = await attached(notes=True)
+    store = CountingStore()
+    keepers = Keepers(store, SimpleNamespace(config=SimpleNamespace(host_id="h1")),  # type: ignore[arg-type]
+                      buffer_bytes=1 << 20)
+    await keepers.settle(KEY, "pi", handle, Session())  # type: ignore[arg-type]
+    assert [kind for kind, _ in stream.frames()] == [b"A", b"K"]  # the attach, then the acknowledgement
+    assert stream.frames()[1][1] == len(BETWEEN).to_bytes(8, "big")
+    [(rec, sync)] = store.keepers
+    assert sync is False
+    assert (rec.acked, rec.turn, rec.session, rec.host_id) == (len(BETWEEN), None, {"turns": 1, "session_id": "s-1"}, "h1")
+
+
 def record(*, acked: int, turn: KeeperTurn | None = None) -> KeeperRecord:
     return KeeperRecord(user_id="u1", chat_id="c1", member_id="m1", host_id="h1", runtime="pi", container_id="ctr-1",
                         run_dir="/run/m1", identity=IDENT.model_dump(), session={"turns": 0}, acked=acked, turn=turn)

@@ -220,13 +220,17 @@ class Store(SQLiteFleet, SQLiteWireLedger, SQLiteChatDeletion, SQLiteKeepers):
         await self._write_sandbox(user_id, chat_id, q)
 
     async def touch_sandbox(self, user_id: str, chat_id: str) -> None:
-        """A checked, running sandbox about to serve a turn: state and last use, nothing else."""
+        """A checked, running sandbox about to serve a turn: state and last use, nothing else.
+
+        Not flushed by itself (the turn's commit flushes it): a container a crash of the
+        machine stopped is not running whatever the record says, and a daemon that restarts
+        reads the commit. A RESTORED turn waited for its fsync between the start and the launch."""
 
         def q(db: sqlite3.Connection) -> None:
             db.execute("UPDATE sandboxes SET state=?, last_used_at=? WHERE user_id=? AND chat_id=?",
                        (SandboxState.RUNNING.value, now().isoformat(), user_id, chat_id))
 
-        await self._write_sandbox(user_id, chat_id, q)
+        await self._write_sandbox(user_id, chat_id, lambda db: self._tx(db, q, sync=False))
 
     async def list_sandboxes(self, state: SandboxState | None = None) -> list[SandboxRecord]:
         def q(db: sqlite3.Connection) -> list[SandboxRecord]:

@@ -14,9 +14,11 @@ import pytest
 
 import state.store
 from state.contract import StoreUnavailable
+from state.records import SandboxState
 from state.store import Store
 from state.wal_flush_child import flush as fsync_first_of
 from state.wal_flusher import FlusherGone, FlushFailed, WalFlusher
+from tests.unit.test_store_contract import _sandbox
 
 pytestmark = pytest.mark.anyio
 
@@ -129,3 +131,20 @@ def test_the_flusher_ends_quietly_when_the_store_closes_with_an_answer_unread(tm
     parent.close()
     _, err = proc.communicate(timeout=10)
     assert (proc.returncode, err) == (0, b"")
+
+
+async def test_a_started_sandbox_is_marked_running_without_a_flush_of_its_own(sqlite_store: Store) -> None:
+    """The record a RESTORED turn writes between the engine's start and the CLI's launch is
+    committed, and goes to disk with the next flush (the turn's commit): it waited for its
+    own fsync there."""
+    store = sqlite_store
+    await store.open()
+    await store.put_sandbox(_sandbox())
+    await store.set_sandbox_state("u", "c", SandboxState.STOPPED)
+    assert store.flusher is not None
+    made, sent = store.flusher.made, store.flusher.sent
+    await store.touch_sandbox("u", "c")
+    assert (await store.get_sandbox("u", "c")).state == SandboxState.RUNNING
+    assert (store.flusher.made, store.flusher.sent) == (made + 1, sent)  # committed, no flush asked
+    await store.sync()
+    assert (store.flusher.sent, store.flusher.flushes) == (sent + 1, 1)

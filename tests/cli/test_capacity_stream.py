@@ -29,9 +29,16 @@ async def test_an_absent_reader_gets_a_cut_stream_and_the_turn_commits(tmp_path,
             sub = await d.daemon.supervisor.submit(Job.model_validate(job))
             assert sub.kind == "started" and sub.events is not None
             with anyio.fail_after(180):  # nobody reads the stream meanwhile
-                while (resp := await d.client.get(f"/v1/jobs/{job['job_id']}",
-                                                  params={"user_id": chat.user_id})).status_code == 202:
-                    assert sub.events.buffered_bytes <= BUDGET
+                while True:
+                    # Read before asking: a 202 says the turn had not committed when the request
+                    # read the store, so the stream had not ended (its cut line and receipt go
+                    # beyond the budget) when this was read. Read after the 202, the turn may
+                    # have ended meanwhile: the response waits for the store's flush.
+                    buffered = sub.events.buffered_bytes
+                    resp = await d.client.get(f"/v1/jobs/{job['job_id']}", params={"user_id": chat.user_id})
+                    if resp.status_code != 202:
+                        break
+                    assert buffered <= BUDGET
                     await anyio.sleep(0.2)
             stored = resp.json()
             assert (stored["outcome"], stored["assistant_text"]) == ("succeeded", long)

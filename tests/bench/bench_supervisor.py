@@ -917,7 +917,7 @@ def row(runtime: str, r: dict[str, Any]) -> str:
     line = (f"{runtime:9} {statistics.median(r['live_d']):10.1f} {statistics.median(r['live_b']):9.1f} "
             f"{statistics.median(r['live_d']) - statistics.median(r['live_b']):9.1f} {pct(added, 99):9.1f} "
             f"{restored_cells(r)} {first} "
-            f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b'] if r['tp_b'] else float('nan'):8.3f} {len(r['failures']):4}  "
+            f"{r['tp_d']:7.2f} {r['tp_b']:7.2f} {r['tp_d'] / r['tp_b'] if r['tp_b'] else math.nan:8.3f} {len(r['failures']):4}  "
             f"{r['load']['live']}|{r['load']['restored']}|{r['load']['throughput']}")
     lo, hi = added_interval(r["live_d"], r["live_b"])
     line += f"\n  {runtime}: LIVE added p50, 95% interval [{lo:.1f}, {hi:.1f}] ms over {len(r['live_d'])} turn pairs"

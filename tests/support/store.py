@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from state.contract import now
+from state.records import SandboxRecord, SandboxState
+
 TABLES = ("sandboxes", "members", "jobs", "hosts", "placements", "wire_records", "wire_turns")
 
 
@@ -52,3 +55,11 @@ def lose_wire_record(store: Any, record_id: str) -> None:
     """Simulate a ledger that lost one record its children still refer to."""
     with _connect(store) as (db, p):
         db.execute(f"DELETE FROM wire_records WHERE record_id={p}", (record_id,))
+
+
+def sandbox_record(**kw: object) -> SandboxRecord:
+    """A running sandbox's record of chat ("u", "c"); ``kw`` overrides any field."""
+    ts = now()
+    base = dict(user_id="u", chat_id="c", container_id="C1", container_name="ca-x", image_id="sha256:A",
+                data_root_id="R", host_id="h", state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
+    return SandboxRecord(**{**base, **kw})

@@ -16,7 +16,7 @@ from state.migrations import MIGRATIONS
 from state.postgres import PostgresStore
 from state.records import JobState, PendingFork, SandboxRecord, SandboxState, SavedLocator
 from state.store import Store
-from tests.support.store import rows
+from tests.support.store import rows, sandbox_record
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -127,7 +127,7 @@ async def test_a_claim_reads_its_chats_sandbox_and_knows_when_that_read_went_sta
     writes = store.sandbox_writes
     first = await store.claim_job("j0", "u", "c", "m", "d", "o", read_sandbox=True)
     assert (first.sandbox.user_id, first.sandbox.chat_id, first.sandbox.record) == ("u", "c", None)
-    await store.put_sandbox(_sandbox(volume_name="ca-x-home", volume_id="V1"))
+    await store.put_sandbox(sandbox_record(volume_name="ca-x-home", volume_id="V1"))
     assert not writes.current(first.sandbox)  # the record was made after that claim read none
 
     async def claim(job: str):
@@ -137,14 +137,14 @@ async def test_a_claim_reads_its_chats_sandbox_and_knows_when_that_read_went_sta
 
     seen = await claim("j1")
     assert seen.record == await store.get_sandbox("u", "c") and seen.record.volume_id == "V1"
-    await store.put_sandbox(_sandbox(chat_id="other"))
+    await store.put_sandbox(sandbox_record(chat_id="other"))
     await store.set_sandbox_state("u", "other", SandboxState.STOPPED)
     assert writes.current(seen)  # another chat's writes
     stale_after = [
         lambda: store.set_sandbox_state("u", "c", SandboxState.STOPPED),
         lambda: store.set_stop_reason("u", "c", "disk_quota"),
         lambda: store.touch_sandbox("u", "c"),
-        lambda: store.put_sandbox(_sandbox(container_id="C2")),
+        lambda: store.put_sandbox(sandbox_record(container_id="C2")),
         lambda: store.settle_job("u", "j1", SettleQuery("c", None), lambda view: (_receipt("j1", "u", "c", "x"), None)),
         lambda: store.finish_job("u", "j2", _receipt("j2", "u", "other", "x"), None),  # chat not named: all
         lambda: store.delete_chat("u", "c"),
@@ -294,22 +294,16 @@ async def test_a_stop_reason_is_kept_until_cleared_and_survives_a_rewrite(store:
 # -- state volumes (SPEC 15) -------------------------------------------------------------------
 
 
-def _sandbox(**kw: object) -> SandboxRecord:
-    ts = now()
-    base = dict(user_id="u", chat_id="c", container_id="C1", container_name="ca-x", image_id="sha256:A",
-                data_root_id="R", host_id="h", state=SandboxState.RUNNING, created_at=ts, last_used_at=ts)
-    return SandboxRecord(**{**base, **kw})
-
 
 async def test_sandbox_records_keep_their_volume(store: StoreContract) -> None:
-    await store.put_sandbox(_sandbox(volume_name="ca-x-home", volume_id="V1"))
+    await store.put_sandbox(sandbox_record(volume_name="ca-x-home", volume_id="V1"))
     got = await store.get_sandbox("u", "c")
     assert (got.container_id, got.volume_name, got.volume_id) == ("C1", "ca-x-home", "V1")
     # a replacement container on the same volume rewrites the record in place
     await store.put_sandbox(got.model_copy(update={"container_id": "C2", "image_id": "sha256:B"}))
     got = await store.get_sandbox("u", "c")
     assert (got.container_id, got.image_id, got.volume_name, got.volume_id) == ("C2", "sha256:B", "ca-x-home", "V1")
-    await store.put_sandbox(_sandbox(chat_id="old"))  # made before volumes: no volume recorded
+    await store.put_sandbox(sandbox_record(chat_id="old"))  # made before volumes: no volume recorded
     assert ((await store.get_sandbox("u", "old")).volume_name, (await store.get_sandbox("u", "old")).volume_id) \
         == (None, None)
 

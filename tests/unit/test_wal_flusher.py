@@ -18,7 +18,7 @@ from state.records import SandboxState
 from state.store import Store
 from state.wal_flush_child import flush as fsync_first_of
 from state.wal_flusher import FlusherGone, FlushFailed, WalFlusher
-from tests.unit.test_store_contract import _sandbox
+from tests.support.store import sandbox_record
 
 pytestmark = pytest.mark.anyio
 
@@ -139,7 +139,7 @@ async def test_a_started_sandbox_is_marked_running_without_a_flush_of_its_own(sq
     own fsync there."""
     store = sqlite_store
     await store.open()
-    await store.put_sandbox(_sandbox())
+    await store.put_sandbox(sandbox_record())
     await store.set_sandbox_state("u", "c", SandboxState.STOPPED)
     assert store.flusher is not None
     made, sent = store.flusher.made, store.flusher.sent
